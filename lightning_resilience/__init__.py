@@ -1,0 +1,30 @@
+"""lightning_resilience: make Lightning training survive the failures of large clusters."""
+
+from lightning_resilience._version import __version__
+from lightning_resilience.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointManager,
+    LocalTier,
+    MemoryTier,
+    NoValidCheckpointError,
+    ResumableDataLoader,
+    Tier,
+)
+from lightning_resilience.config import CheckpointConfig, LocalTierConfig, MemoryTierConfig
+from lightning_resilience.lightning import ResilientDDPStrategy, TieredCheckpoint
+
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointCorruptError",
+    "CheckpointManager",
+    "LocalTier",
+    "LocalTierConfig",
+    "MemoryTier",
+    "MemoryTierConfig",
+    "NoValidCheckpointError",
+    "ResilientDDPStrategy",
+    "ResumableDataLoader",
+    "Tier",
+    "TieredCheckpoint",
+    "__version__",
+]

@@ -1,0 +1,27 @@
+"""Tiered checkpoint engine: host snapshots, tiers, on-disk format, background persist and collective restore."""
+
+from lightning_resilience.checkpoint.dataloader import ResumableDataLoader
+from lightning_resilience.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointWorkerError,
+    NoValidCheckpointError,
+)
+from lightning_resilience.checkpoint.local import LocalTier
+from lightning_resilience.checkpoint.manager import CheckpointManager, CheckpointStats, Restored
+from lightning_resilience.checkpoint.memory import MemoryTier
+from lightning_resilience.checkpoint.tier import Tier
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointStats",
+    "CheckpointWorkerError",
+    "LocalTier",
+    "MemoryTier",
+    "NoValidCheckpointError",
+    "ResumableDataLoader",
+    "Restored",
+    "Tier",
+]

@@ -1,0 +1,259 @@
+"""On-disk format of one rank's shard of one checkpoint, and its validation.
+
+A shard directory holds DCP files (tensors only), ``skeleton.json`` (the non-tensor state) and ``manifest.json``,
+written last: step, world size, rank layout, tensor specs, per-file size and xxh3-64 checksum, versions. A reader
+trusts a shard only after every file named by the manifest exists inside the directory with the recorded size and
+checksum. Nothing here unpickles arbitrary bytes: DCP's metadata is read by an allow-list unpickler.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from lightning_resilience._version import __version__
+from lightning_resilience.checkpoint.errors import CheckpointCorruptError
+from lightning_resilience.checkpoint.snapshot import StagedSnapshot
+from lightning_resilience.checkpoint.tree import TensorSpec
+
+__all__ = ["FORMAT", "MANIFEST", "Manifest", "checksum_file", "fsync_dir", "read_shard", "write_shard"]
+
+FORMAT = "lightning_resilience/shard-v1"
+MANIFEST = "manifest.json"
+SKELETON = "skeleton.json"
+_CHUNK = 8 << 20
+
+
+@dataclass
+class Manifest:
+    """What a reader needs to trust and load one shard."""
+
+    step: int
+    rank: int
+    world_size: int
+    tensors: dict[str, TensorSpec]
+    files: dict[str, dict[str, Any]]
+    rank_layout: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+    created: float = 0.0
+    format: str = FORMAT
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": self.format,
+                "step": self.step,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "rank_layout": self.rank_layout,
+                "tensors": {n: s.to_json() for n, s in self.tensors.items()},
+                "files": self.files,
+                "meta": self.meta,
+                "versions": self.versions,
+                "created": self.created,
+            },
+            indent=1,
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, text: str, *, where: str) -> Manifest:
+        try:
+            data = json.loads(text)
+            if data.get("format") != FORMAT:
+                raise CheckpointCorruptError(f"{where}: unknown manifest format {data.get('format')!r}")
+            return cls(
+                step=int(data["step"]),
+                rank=int(data["rank"]),
+                world_size=int(data["world_size"]),
+                tensors={n: TensorSpec.from_json(s) for n, s in data["tensors"].items()},
+                files={str(k): dict(v) for k, v in data["files"].items()},
+                rank_layout=dict(data.get("rank_layout", {})),
+                meta=dict(data.get("meta", {})),
+                versions=dict(data.get("versions", {})),
+                created=float(data.get("created", 0.0)),
+            )
+        except CheckpointCorruptError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointCorruptError(f"{where}: unreadable manifest ({err})") from err
+
+
+def checksum_file(path: Path) -> str:
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_shard(
+    directory: Path, snap: StagedSnapshot, *, rank: int, world_size: int, rank_layout: dict[str, Any] | None = None
+) -> Manifest:
+    """Write one rank's snapshot into ``directory`` (which must be new and private to the writer).
+
+    Every file is fsynced before the manifest is written; the manifest is fsynced last. The caller commits the
+    directory by renaming it (see :mod:`lightning_resilience.checkpoint.local`).
+    """
+    directory.mkdir(parents=True, exist_ok=False)
+    if snap.tensors:
+        # DCP holds tensors only: its loader would unpickle non-tensor values without restriction
+        dcp.save(
+            dict(snap.tensors),
+            storage_writer=FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=1),
+            no_dist=True,
+        )
+    _write_synced(directory / SKELETON, json.dumps(snap.skeleton, separators=(",", ":")).encode())
+    files = {}
+    for entry in sorted(directory.iterdir()):
+        if entry.is_file():
+            files[entry.name] = {"size": entry.stat().st_size, "xxh3_64": checksum_file(entry)}
+    manifest = Manifest(
+        step=snap.step,
+        rank=rank,
+        world_size=world_size,
+        tensors=snap.specs(),
+        files=files,
+        rank_layout=dict(rank_layout or {}),
+        meta=dict(snap.meta),
+        versions={"lightning_resilience": __version__, "torch": torch.__version__, "python": platform.python_version()},
+        created=time.time(),
+    )
+    _write_synced(directory / MANIFEST, manifest.to_json().encode())
+    fsync_dir(directory)
+    return manifest
+
+
+def _inside(root: Path, name: str) -> Path:
+    path = (root / name).resolve()
+    if path.parent != root.resolve() or name in ("", ".", ".."):
+        raise CheckpointCorruptError(f"{root}: manifest names a file outside the checkpoint directory: {name!r}")
+    return path
+
+
+def read_manifest(directory: Path) -> Manifest:
+    path = directory / MANIFEST
+    try:
+        text = path.read_text()
+    except FileNotFoundError as err:
+        raise CheckpointCorruptError(f"{directory}: no manifest (incomplete or foreign checkpoint)") from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointCorruptError(f"{directory}: manifest unreadable ({err})") from err
+    return Manifest.from_json(text, where=str(directory))
+
+
+def validate_shard(directory: Path, *, verify_checksums: bool = True) -> Manifest:
+    """Check every file the manifest names: inside the directory, right size, right checksum.
+
+    Raises:
+        CheckpointCorruptError: naming the shard and the first problem found.
+    """
+    manifest = read_manifest(directory)
+    for name, info in manifest.files.items():
+        path = _inside(directory, name)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError as err:
+            raise CheckpointCorruptError(f"{directory}: file {name} is missing") from err
+        if size != info.get("size"):
+            raise CheckpointCorruptError(f"{directory}: file {name} has {size} bytes, manifest says {info.get('size')}")
+        if verify_checksums and checksum_file(path) != info.get("xxh3_64"):
+            raise CheckpointCorruptError(f"{directory}: checksum mismatch in {name}")
+    if SKELETON not in manifest.files:
+        raise CheckpointCorruptError(f"{directory}: manifest lists no {SKELETON}")
+    return manifest
+
+
+def read_shard(directory: Path, *, verify_checksums: bool = True) -> tuple[Manifest, StagedSnapshot]:
+    """Validate and load one shard into freshly allocated host tensors.
+
+    Raises:
+        CheckpointCorruptError: the shard is missing, partial, corrupt or unreadable.
+    """
+    manifest = validate_shard(directory, verify_checksums=verify_checksums)
+    try:
+        skeleton = json.loads((directory / SKELETON).read_bytes())
+        tensors = {name: torch.empty(spec.shape, dtype=spec.dtype) for name, spec in manifest.tensors.items()}
+        if tensors:
+            dcp.load(tensors, storage_reader=SafeFileSystemReader(directory), no_dist=True)
+    except CheckpointCorruptError:
+        raise
+    except Exception as err:  # any decode failure of validated bytes still means "do not trust this shard"
+        raise CheckpointCorruptError(f"{directory}: shard unreadable ({type(err).__name__}: {err})") from err
+    return manifest, StagedSnapshot(manifest.step, skeleton, tensors, dict(manifest.meta))
+
+
+_ALLOWED_MODULES = {
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+}
+_ALLOWED_GLOBALS = {
+    ("torch", "Size"),
+    ("torch._utils", "_get_layout"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and nothing else: DCP's own dataclasses, torch dtypes, sizes and paths."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype | torch.layout):
+            return getattr(torch, name)
+        if module == "torch" and name == "contiguous_format":
+            return torch.contiguous_format
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP reader whose metadata load cannot execute arbitrary code."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        path = self._get_metadata_path(rank)
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        if not isinstance(metadata, Metadata):
+            raise CheckpointCorruptError(f"{self.path}: DCP metadata is not a Metadata object")
+        storage_meta = metadata.storage_meta or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
+        return metadata

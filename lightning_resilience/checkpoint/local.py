@@ -1,0 +1,151 @@
+"""LocalTier: checkpoints in a node-local directory, committed by an atomic rename.
+
+Layout (one directory per step, one shard directory per rank)::
+
+    <root>/step_000000000120/rank_00000/{manifest.json, skeleton.json, .metadata, __0_0.distcp}
+    <root>/step_000000000120/.rank_00001.tmp-<id>/      a shard being written: never trusted
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+from lightning_resilience.checkpoint.errors import CheckpointCorruptError
+from lightning_resilience.checkpoint.format import fsync_dir, read_shard, write_shard
+from lightning_resilience.checkpoint.snapshot import StagedSnapshot
+from lightning_resilience.checkpoint.tier import TierIdentity, validate_cadence
+
+__all__ = ["LocalTier", "step_dirname"]
+
+log = logging.getLogger(__name__)
+_STEP_RE = re.compile(r"^step_(\d{12})$")
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:012d}"
+
+
+class LocalTier:
+    """Node-local directory tier (NVMe, local SSD, or any POSIX path).
+
+    Args:
+        path: root directory; created if missing. Each rank writes only its own shard directories.
+        every_n_steps: persist cadence of this tier.
+        keep: committed steps retained; older ones are deleted only after a newer one is committed on every rank.
+        verify_checksums: recompute file checksums on read (turn off only for trusted, very large local states).
+    """
+
+    durability = 1
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        every_n_steps: int = 20,
+        keep: int = 3,
+        name: str = "local",
+        verify_checksums: bool = True,
+    ) -> None:
+        validate_cadence(f"tiers.{name}", every_n_steps, keep)
+        if not str(path):
+            raise ValueError(f"tiers.{name}.path must be a directory path, got an empty string")
+        self.root = Path(path).expanduser()
+        self.name = name
+        self.every_n_steps = every_n_steps
+        self.keep = keep
+        self.verify_checksums = verify_checksums
+        self._identity = TierIdentity()
+
+    def __repr__(self) -> str:
+        return f"LocalTier({str(self.root)!r}, every_n_steps={self.every_n_steps}, keep={self.keep})"
+
+    @property
+    def _rank_name(self) -> str:
+        return f"rank_{self._identity.rank:05d}"
+
+    def bind(self, identity: TierIdentity) -> None:
+        self._identity = identity
+        self._remove_stale_temporaries()
+
+    def shard_dir(self, step: int) -> Path:
+        return self.root / step_dirname(step) / self._rank_name
+
+    def write(self, snap: StagedSnapshot) -> None:
+        step_dir = self.root / step_dirname(snap.step)
+        step_dir.mkdir(parents=True, exist_ok=True)
+        tmp = step_dir / f".{self._rank_name}.tmp-{uuid.uuid4().hex[:12]}"
+        final = step_dir / self._rank_name
+        try:
+            write_shard(
+                tmp,
+                snap,
+                rank=self._identity.rank,
+                world_size=self._identity.world_size,
+                rank_layout={"rank": self._identity.rank, "world_size": self._identity.world_size},
+            )
+            if final.exists():  # the same step written again (after a rollback): replace it whole
+                self._discard(final)
+            os.replace(tmp, final)
+            fsync_dir(step_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def read(self, step: int) -> StagedSnapshot:
+        shard = self.shard_dir(step)
+        if not shard.is_dir():
+            raise CheckpointCorruptError(f"{shard}: not committed")
+        manifest, snap = read_shard(shard, verify_checksums=self.verify_checksums)
+        if manifest.step != step or manifest.rank != self._identity.rank:
+            raise CheckpointCorruptError(
+                f"{shard}: manifest is for step {manifest.step} rank {manifest.rank}, expected {step} rank "
+                f"{self._identity.rank}"
+            )
+        if manifest.world_size != self._identity.world_size:
+            raise CheckpointCorruptError(
+                f"{shard}: written by a job of world size {manifest.world_size}, this job has "
+                f"{self._identity.world_size}; resume with the original world size"
+            )
+        return snap
+
+    def list_steps(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        steps = []
+        for entry in self.root.iterdir():
+            match = _STEP_RE.match(entry.name)
+            if match and (entry / self._rank_name).is_dir():
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def delete(self, step: int) -> None:
+        step_dir = self.root / step_dirname(step)
+        shard = step_dir / self._rank_name
+        if shard.exists():
+            self._discard(shard)
+        try:
+            step_dir.rmdir()  # succeeds for the last rank out; other ranks' shards keep it alive
+        except OSError:
+            pass
+
+    def _discard(self, shard: Path) -> None:
+        # rename first: a reader never sees a committed shard with files missing
+        doomed = shard.parent / f".{shard.name}.del-{uuid.uuid4().hex[:12]}"
+        os.replace(shard, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def _remove_stale_temporaries(self) -> None:
+        if not self.root.is_dir():
+            return
+        prefixes = (f".{self._rank_name}.tmp-", f".{self._rank_name}.del-")
+        for step_dir in self.root.iterdir():
+            if not _STEP_RE.match(step_dir.name) or not step_dir.is_dir():
+                continue
+            for entry in step_dir.iterdir():
+                if entry.name.startswith(prefixes):
+                    log.info("removing an uncommitted checkpoint left by an earlier run: %s", entry)
+                    shutil.rmtree(entry, ignore_errors=True)

@@ -1,0 +1,95 @@
+"""MemoryTier: the newest snapshots kept in host RAM, for restores within the process (rollback, retry)."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+from lightning_resilience.checkpoint.errors import CheckpointCorruptError
+from lightning_resilience.checkpoint.snapshot import HostSnapshot, StagedSnapshot
+from lightning_resilience.checkpoint.tier import TierIdentity, validate_cadence
+
+__all__ = ["MemoryTier"]
+
+
+class MemoryTier:
+    """Keeps the last ``keep`` snapshots in host memory.
+
+    The manager hands it the snapshot buffers themselves (:meth:`adopt`), so a per-step RAM checkpoint costs no
+    second copy; :meth:`read` returns a clone because the buffers are reused once they fall out of the window.
+
+    Args:
+        every_n_steps: snapshot cadence of this tier.
+        keep: number of snapshots held (each costs one training state of host memory).
+    """
+
+    durability = 0
+
+    def __init__(self, every_n_steps: int = 1, keep: int = 2, name: str = "memory") -> None:
+        validate_cadence(f"tiers.{name}", every_n_steps, keep)
+        self.name = name
+        self.every_n_steps = every_n_steps
+        self.keep = keep
+        self._held: OrderedDict[int, tuple[HostSnapshot, Callable[[HostSnapshot], None]]] = OrderedDict()
+        self._copies: OrderedDict[int, StagedSnapshot] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"MemoryTier(every_n_steps={self.every_n_steps}, keep={self.keep})"
+
+    def bind(self, identity: TierIdentity) -> None:
+        self._identity = identity
+
+    def adopt(self, slot: HostSnapshot, release: Callable[[HostSnapshot], None]) -> None:
+        """Hold a reference to a pool slot (already retained for us); ``release`` gives it back."""
+        evicted: list[tuple[HostSnapshot, Callable[[HostSnapshot], None]]] = []
+        with self._lock:
+            old = self._held.pop(slot.step, None)
+            if old is not None:
+                evicted.append(old)
+            self._copies.pop(slot.step, None)
+            self._held[slot.step] = (slot, release)
+            evicted.extend(self._evict())
+        for held, rel in evicted:
+            rel(held)
+
+    def write(self, snap: StagedSnapshot) -> None:
+        with self._lock:
+            self._copies[snap.step] = snap.clone()
+            evicted = self._evict()
+        for held, rel in evicted:
+            rel(held)
+
+    def _evict(self) -> list[tuple[HostSnapshot, Callable[[HostSnapshot], None]]]:
+        evicted = []
+        while len(self._held) + len(self._copies) > self.keep:
+            oldest = min([*self._held, *self._copies])
+            if oldest in self._held:
+                evicted.append(self._held.pop(oldest))
+            else:
+                del self._copies[oldest]
+        return evicted
+
+    def read(self, step: int) -> StagedSnapshot:
+        with self._lock:
+            if step in self._held:
+                return self._held[step][0].view().clone()
+            if step in self._copies:
+                return self._copies[step].clone()
+        raise CheckpointCorruptError(f"memory tier holds no snapshot of step {step}")
+
+    def list_steps(self) -> list[int]:
+        with self._lock:
+            return sorted([*self._held, *self._copies])
+
+    def delete(self, step: int) -> None:
+        with self._lock:
+            held = self._held.pop(step, None)
+            self._copies.pop(step, None)
+        if held is not None:
+            held[1](held[0])
+
+    def clear(self) -> None:
+        for step in self.list_steps():
+            self.delete(step)

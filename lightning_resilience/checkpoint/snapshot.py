@@ -1,0 +1,180 @@
+"""Host snapshots: pre-allocated, reusable host buffers that hold one rank's training state at one step.
+
+Only the copy into these buffers blocks the training thread. A :class:`SnapshotPool` owns a small ring of
+buffer sets; a slot is reused only when no tier still needs it (reference counted), so the step after a
+snapshot runs while the snapshot is persisted (double buffering) and the RAM tier keeps its newest copies.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from lightning_resilience.checkpoint.tree import FlatState, TensorSpec
+
+__all__ = ["HostSnapshot", "SnapshotPool", "StagedSnapshot"]
+
+
+@dataclass
+class StagedSnapshot:
+    """A readable view of one snapshot: step, JSON-safe skeleton, host tensors and metadata."""
+
+    step: int
+    skeleton: Any
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in self.tensors.items()}
+
+    def clone(self) -> StagedSnapshot:
+        """A copy that owns its tensors (a restored state must never alias a buffer that is reused later)."""
+        return StagedSnapshot(
+            step=self.step,
+            skeleton=self.skeleton,
+            tensors={n: t.clone() for n, t in self.tensors.items()},
+            meta=dict(self.meta),
+        )
+
+
+class HostSnapshot:
+    """One set of host buffers, laid out for a given set of tensor specs and reused across steps."""
+
+    def __init__(self, *, pin_memory: bool) -> None:
+        self._pin = pin_memory
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._signature: tuple[Any, ...] = ()
+        self._event: torch.cuda.Event | None = None
+        self.step = -1
+        self.skeleton: Any = None
+        self.meta: dict[str, Any] = {}
+        self.refs = 0
+        self.reallocations = 0
+
+    def _ensure_layout(self, flat: FlatState) -> None:
+        # a cheap signature first: building TensorSpecs for hundreds of tensors every step costs milliseconds
+        signature = tuple((n, t.shape, t.dtype) for n, t in flat.tensors.items())
+        if signature == self._signature:
+            return
+        self._signature = signature
+        specs = flat.specs()
+        # the layout changes rarely (optimizer state appears after the first step); reuse what still fits
+        fresh: dict[str, torch.Tensor] = {}
+        for name, spec in specs.items():
+            old = self._buffers.get(name)
+            if old is not None and tuple(old.shape) == spec.shape and old.dtype == spec.dtype:
+                fresh[name] = old
+            else:
+                fresh[name] = torch.empty(spec.shape, dtype=spec.dtype, pin_memory=self._pin)
+        self._buffers = fresh
+        self.reallocations += 1
+
+    def copy_from(self, step: int, flat: FlatState, meta: dict[str, Any], stream: torch.cuda.Stream | None) -> None:
+        """Copy ``flat``'s tensors into this slot. With a CUDA stream the device-to-host copies are queued on it."""
+        self._ensure_layout(flat)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for name, src in flat.tensors.items():
+                    self._buffers[name].copy_(src, non_blocking=src.is_cuda)
+                self._event = torch.cuda.Event()
+                self._event.record(stream)
+        else:
+            for name, src in flat.tensors.items():
+                self._buffers[name].copy_(src)
+            self._event = None
+        self.step = step
+        self.skeleton = flat.skeleton
+        self.meta = dict(meta)
+
+    def wait_copied(self) -> None:
+        """Block until the device-to-host copies of this slot have landed (no-op on CPU)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+
+    def view(self) -> StagedSnapshot:
+        self.wait_copied()
+        return StagedSnapshot(self.step, self.skeleton, dict(self._buffers), dict(self.meta))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+class SnapshotPool:
+    """A bounded ring of :class:`HostSnapshot` slots, handed out by reference count.
+
+    Args:
+        max_slots: upper bound on host copies; the pool grows lazily up to it.
+        pin_memory: pin host buffers (only meaningful, and only used, when CUDA is present).
+    """
+
+    def __init__(self, *, max_slots: int, pin_memory: bool | None = None) -> None:
+        if max_slots < 2:
+            raise ValueError(f"snapshot max_slots must be >= 2 for double buffering, got {max_slots}")
+        self._max = max_slots
+        self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory and torch.cuda.is_available()
+        self._slots: list[HostSnapshot] = []
+        self._cond = threading.Condition()
+        self._stream: torch.cuda.Stream | None = torch.cuda.Stream() if torch.cuda.is_available() else None
+
+    @property
+    def pinned(self) -> bool:
+        return self._pin
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(s.nbytes for s in self._slots)
+
+    def capture(
+        self, step: int, flat: FlatState, meta: dict[str, Any], *, timeout: timedelta = timedelta(seconds=60)
+    ) -> HostSnapshot:
+        """Copy ``flat`` into a free slot and return it holding one reference (the caller's).
+
+        Waits (bounded) only when every slot is still referenced, which a correctly sized pool avoids.
+
+        Raises:
+            TimeoutError: no slot was released within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout.total_seconds()
+        with self._cond:
+            while True:
+                free = [s for s in self._slots if s.refs == 0]
+                if free:
+                    slot = min(free, key=lambda s: s.step)
+                    break
+                if len(self._slots) < self._max:
+                    slot = HostSnapshot(pin_memory=self._pin)
+                    self._slots.append(slot)
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._cond.wait(remaining):
+                    raise TimeoutError(
+                        f"no free host snapshot slot within {timeout}; raise snapshot.max_host_copies "
+                        f"(now {self._max}) or persist less often"
+                    )
+            slot.refs = 1
+        slot.copy_from(step, flat, meta, self._stream)
+        return slot
+
+    def retain(self, slot: HostSnapshot) -> None:
+        with self._cond:
+            assert slot.refs > 0, "retain of a released snapshot slot"
+            slot.refs += 1
+
+    def release(self, slot: HostSnapshot) -> None:
+        with self._cond:
+            assert slot.refs > 0, "double release of a snapshot slot"
+            slot.refs -= 1
+            if slot.refs == 0:
+                self._cond.notify_all()

@@ -1,0 +1,172 @@
+"""Split a nested training state into tensors and a JSON-safe skeleton, and join them back.
+
+The skeleton is plain JSON (no pickle), so reading a checkpoint never executes stored code. Tensors are named by
+their path in the tree (``optimizer_states/0/state/3/exp_avg``); the names double as DCP keys.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["FlatState", "TensorSpec", "flatten_state", "unflatten_state"]
+
+_SEP = "/"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one tensor of the flat state; enough to pre-allocate a buffer for it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": str(self.dtype).removeprefix("torch.")}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TensorSpec:
+        return cls(tuple(int(d) for d in data["shape"]), dtype_from_name(str(data["dtype"])))
+
+
+@dataclass
+class FlatState:
+    """A training state taken apart: ``skeleton`` is JSON-safe, ``tensors`` maps path names to tensors."""
+
+    skeleton: Any
+    tensors: dict[str, torch.Tensor]
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in self.tensors.items()}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown tensor dtype {name!r} in checkpoint")
+    return dtype
+
+
+def _key_text(key: Any) -> str:
+    return str(key).replace(_SEP, "%2F")
+
+
+def flatten_state(state: Any, *, warn: Callable[[str], None] | None = None) -> FlatState:
+    """Take a nested state apart.
+
+    Containers are rebuilt (a deep copy of the structure), so later mutation of the live state cannot change a
+    snapshot's skeleton. Tensors are referenced, not copied: the caller copies them into its own buffers.
+
+    Args:
+        state: dicts, lists, tuples, tensors, numpy arrays and scalars, strings, bytes, ``None``, dtypes.
+        warn: called once per kind of value that cannot be stored faithfully (it is stored as its ``repr``).
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    warned: set[str] = set()
+
+    def note(kind: str) -> None:
+        if kind not in warned:
+            warned.add(kind)
+            (warn or (lambda m: warnings.warn(m, stacklevel=3)))(
+                f"checkpoint state holds a {kind} that is stored as its repr and is not restorable"
+            )
+
+    def add_tensor(path: str, tensor: torch.Tensor) -> dict[str, Any]:
+        name = path or "_root"
+        if name in tensors:  # two containers can render to the same path only through the %2F escape
+            name = f"{name}#{len(tensors)}"
+        tensors[name] = tensor.detach()
+        return {"T": name}
+
+    def enc(obj: Any, path: str) -> Any:
+        if obj is None or isinstance(obj, bool | str):
+            return obj
+        if isinstance(obj, int):
+            return obj if not isinstance(obj, enum.Enum) else {"repr": repr(obj)}
+        if isinstance(obj, float):
+            return obj if math.isfinite(obj) else {"f": repr(obj)}
+        if isinstance(obj, torch.Tensor):
+            return add_tensor(path, obj)
+        if isinstance(obj, np.ndarray):
+            return {"np": add_tensor(path, torch.from_numpy(np.ascontiguousarray(obj)))["T"]}
+        if isinstance(obj, np.generic):
+            return enc(obj.item(), path)
+        if isinstance(obj, Mapping):
+            sub = path + _SEP if path else ""
+            if all(isinstance(k, str) for k in obj):
+                return {"d": {k: enc(v, sub + _key_text(k)) for k, v in obj.items()}}
+            return {"m": [[enc(k, ""), enc(v, sub + _key_text(k))] for k, v in obj.items()]}
+        if isinstance(obj, list | tuple):
+            sub = path + _SEP if path else ""
+            items = [enc(v, f"{sub}{i}") for i, v in enumerate(obj)]
+            return {"l": items} if isinstance(obj, list) else {"t": items}
+        if isinstance(obj, bytes | bytearray):
+            return {"b": base64.b64encode(bytes(obj)).decode("ascii")}
+        if isinstance(obj, torch.dtype):
+            return {"dt": str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.device):
+            return {"dev": str(obj)}
+        note(type(obj).__name__)
+        return {"repr": repr(obj)}
+
+    skeleton = enc(state, "")
+    return FlatState(skeleton=skeleton, tensors=tensors)
+
+
+def unflatten_state(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Rebuild the nested state from a skeleton and the tensors it names.
+
+    Raises:
+        KeyError: the skeleton names a tensor that ``tensors`` lacks.
+        ValueError: the skeleton holds a node this version cannot read.
+    """
+
+    def dec(node: Any) -> Any:
+        if node is None or isinstance(node, bool | int | float | str):
+            return node
+        if isinstance(node, list):  # JSON keys of a "m" mapping are lists of [key, value]
+            return [dec(v) for v in node]
+        if not isinstance(node, dict) or len(node) != 1:
+            raise ValueError(f"malformed checkpoint skeleton node: {str(node)[:80]}")
+        ((tag, val),) = node.items()
+        if tag == "d":
+            return {k: dec(v) for k, v in val.items()}
+        if tag == "m":
+            return {_hashable(dec(k)): dec(v) for k, v in val}
+        if tag == "l":
+            return [dec(v) for v in val]
+        if tag == "t":
+            return tuple(dec(v) for v in val)
+        if tag == "T":
+            return tensors[val]
+        if tag == "np":
+            return tensors[val].numpy()
+        if tag == "f":
+            return float(val)
+        if tag == "b":
+            return base64.b64decode(val)
+        if tag == "dt":
+            return dtype_from_name(val)
+        if tag == "dev":
+            return torch.device(val)
+        if tag == "repr":
+            return val
+        raise ValueError(f"unknown checkpoint skeleton tag {tag!r}; written by a newer lightning_resilience?")
+
+    return dec(skeleton)
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, list | tuple) else key

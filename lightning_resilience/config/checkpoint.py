@@ -1,0 +1,103 @@
+"""Configuration of the tiered checkpoint engine and its tiers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+from lightning_resilience.checkpoint.local import LocalTier
+from lightning_resilience.checkpoint.memory import MemoryTier
+
+__all__ = ["CheckpointConfig", "LocalTierConfig", "MemoryTierConfig"]
+
+_RESUME_WORDS = ("auto", "never")
+
+
+@dataclass(kw_only=True)
+class MemoryTierConfig:
+    """Host-RAM tier."""
+
+    every_n_steps: int = 1
+    """Snapshot cadence in optimizer steps."""
+    keep: int = 2
+    """Snapshots held in RAM (each costs one training state of host memory)."""
+    name: str = "memory"
+    """Label in logs, metrics and the report."""
+
+    def __post_init__(self) -> None:
+        self.build()  # the tier validates its own arguments; fail at construction, naming the key
+
+    def build(self) -> MemoryTier:
+        return MemoryTier(every_n_steps=self.every_n_steps, keep=self.keep, name=self.name)
+
+
+@dataclass(kw_only=True)
+class LocalTierConfig:
+    """Node-local disk tier."""
+
+    path: str
+    """Directory on node-local storage, e.g. /nvme/ckpt/run-17."""
+    every_n_steps: int = 20
+    """Persist cadence in optimizer steps."""
+    keep: int = 3
+    """Committed steps retained."""
+    name: str = "local"
+    """Label in logs, metrics and the report."""
+    verify_checksums: bool = True
+    """Recompute checksums on read before trusting a shard."""
+
+    def __post_init__(self) -> None:
+        self.build()
+
+    def build(self) -> LocalTier:
+        return LocalTier(
+            self.path,
+            every_n_steps=self.every_n_steps,
+            keep=self.keep,
+            name=self.name,
+            verify_checksums=self.verify_checksums,
+        )
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Behaviour of the checkpoint engine, independent of which tiers it drives."""
+
+    resume: str = "auto"
+    """'auto' (newest step every rank can load), 'never', or a step number to resume from."""
+    if_none_valid: Literal["start_fresh", "fail"] = "start_fresh"
+    """What to do when checkpoints exist but none is valid on every rank."""
+    on_persist_error: Literal["warn", "raise"] = "warn"
+    """A tier write that fails with an I/O error: log and count it and keep training, or stop."""
+    max_host_copies: int = 0
+    """Upper bound on host snapshot buffers; 0 picks RAM keep + 2 (enough that capture never waits)."""
+    drain_timeout_s: float = 600.0
+    """Longest wait for the in-flight persist at teardown."""
+    snapshot_timeout_s: float = 60.0
+    """Longest wait for a free host buffer (only reached with max_host_copies set too low)."""
+
+    def __post_init__(self) -> None:
+        if self.resume not in _RESUME_WORDS and not (self.resume.isdigit()):
+            raise ValueError(f"checkpoint.resume must be 'auto', 'never' or a step number, got {self.resume!r}")
+        if self.if_none_valid not in ("start_fresh", "fail"):
+            raise ValueError(f"checkpoint.if_none_valid must be 'start_fresh' or 'fail', got {self.if_none_valid!r}")
+        if self.on_persist_error not in ("warn", "raise"):
+            raise ValueError(f"checkpoint.on_persist_error must be 'warn' or 'raise', got {self.on_persist_error!r}")
+        if self.max_host_copies != 0 and self.max_host_copies < 2:
+            raise ValueError(f"checkpoint.max_host_copies must be 0 (auto) or >= 2, got {self.max_host_copies}")
+        for key in ("drain_timeout_s", "snapshot_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"checkpoint.{key} must be > 0, got {getattr(self, key)}")
+
+    @property
+    def resume_step(self) -> int | None:
+        return int(self.resume) if self.resume.isdigit() else None
+
+    @property
+    def drain_timeout(self) -> timedelta:
+        return timedelta(seconds=self.drain_timeout_s)
+
+    @property
+    def snapshot_timeout(self) -> timedelta:
+        return timedelta(seconds=self.snapshot_timeout_s)

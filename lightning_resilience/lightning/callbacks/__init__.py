@@ -1,0 +1,5 @@
+"""One callback per module."""
+
+from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
+
+__all__ = ["TieredCheckpoint"]

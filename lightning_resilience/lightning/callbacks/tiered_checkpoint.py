@@ -1,0 +1,160 @@
+"""TieredCheckpoint: a per-step snapshot in host RAM, persisted in the background to slower tiers, and automatic
+resume from the newest step every rank can load."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from lightning_resilience.checkpoint.manager import CheckpointManager, CheckpointStats
+from lightning_resilience.checkpoint.rng import capture_rng_states, restore_rng_states
+from lightning_resilience.checkpoint.tier import Tier
+from lightning_resilience.config.checkpoint import CheckpointConfig
+from lightning_resilience.lightning._trainer_state import dump_trainer_state, restore_trainer_state
+
+__all__ = ["TieredCheckpoint"]
+
+log = logging.getLogger(__name__)
+
+
+class TieredCheckpoint(Callback):
+    """Checkpoint every step to RAM, persist to disk (and beyond) on each tier's cadence, resume automatically.
+
+    Example::
+
+        Trainer(callbacks=[TieredCheckpoint(tiers=[MemoryTier(every_n_steps=1, keep=2),
+                                                   LocalTier("/nvme/ckpt", every_n_steps=20, keep=3)])])
+
+    For an exact (bitwise) resume inside an epoch, use a stateful dataloader such as
+    :class:`~lightning_resilience.checkpoint.ResumableDataLoader`.
+
+    Args:
+        tiers: where snapshots go; each tier has its own ``every_n_steps`` and ``keep``.
+        resume: ``"auto"`` (newest step valid on every rank), ``"never"``, or a step number.
+        config: engine behaviour (error policy, timeouts, host buffers); ``resume`` overrides its field.
+    """
+
+    def __init__(
+        self, tiers: Sequence[Tier], resume: str | int = "auto", config: CheckpointConfig | None = None
+    ) -> None:
+        base = config or CheckpointConfig()
+        self.config = CheckpointConfig(**{**base.__dict__, "resume": str(resume)})
+        self.tiers = list(tiers)
+        self.manager: CheckpointManager | None = None
+        self._last_step = -1
+        self._pending_rng: dict[str, Any] | None = None
+        self.restores = 0
+
+    @property
+    def stats(self) -> CheckpointStats:
+        if self.manager is None:
+            raise RuntimeError("TieredCheckpoint has not been set up by a Trainer yet")
+        return self.manager.stats
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.manager = CheckpointManager(self.tiers, self.config)
+        self.manager.setup()  # collective over the job's ranks: every rank runs setup
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        assert self.manager is not None
+        self._last_step = trainer.global_step
+        if self.config.resume == "never" or trainer.ckpt_path is not None:
+            return  # an explicit fit(ckpt_path=...) wins over automatic resume
+        restored = self.manager.restore(self.config.resume_step)
+        if restored is None:
+            rank_zero_log(trainer, "no checkpoint to resume from: starting at step %d", trainer.global_step)
+            return
+        restore_trainer_state(trainer, restored.state)
+        self._last_step = restored.step
+        self.restores += 1
+        rank_zero_log(trainer, "resumed from step %d (tier %r, %.3fs)", restored.step, restored.tier, restored.seconds)
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # applied here, after the sanity check and the dataloader set-up, right before the first resumed step
+        if self._pending_rng is not None:
+            restore_rng_states(self._pending_rng)
+            self._pending_rng = None
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        assert self.manager is not None
+        step = trainer.global_step
+        if step == self._last_step:  # mid gradient accumulation: no optimizer step, nothing new to keep
+            return
+        self._last_step = step
+        taken = self.manager.on_step(
+            step, lambda: dump_trainer_state(trainer), meta={"epoch": trainer.current_epoch, "batch_idx": batch_idx}
+        )
+        if taken and trainer.loggers:
+            stats = self.manager.stats
+            pl_module.log_dict(
+                {
+                    "resilience/checkpoint/blocking_ms": stats.last_capture_seconds * 1e3,
+                    "resilience/checkpoint/persist_failures": float(sum(t.failures for t in stats.tiers.values())),
+                },
+                on_step=True,
+                on_epoch=False,
+                logger=True,
+                prog_bar=False,
+            )
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if self.manager is not None:
+            self.manager.close()
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit" and self.manager is not None:
+            self.manager.close()
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # RNG streams of this rank travel with every checkpoint Lightning takes while we are attached
+        return {"rng": capture_rng_states(), "restores": self.restores}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending_rng = state_dict.get("rng")
+        self.restores = int(state_dict.get("restores", 0))
+
+    def summary(self) -> str:
+        """A short human-readable account of what was saved and restored, and at what cost."""
+        if self.manager is None:
+            return "tiered checkpoint: not run"
+        s = self.manager.stats
+        lines = [
+            f"tiered checkpoint: {s.captures} snapshots of {s.state_bytes / 2**20:.1f} MiB, blocking "
+            f"mean {s.capture_seconds_mean * 1e3:.2f} ms, max {s.capture_seconds_max * 1e3:.2f} ms",
+        ]
+        for name, t in s.tiers.items():
+            mean = t.seconds / t.writes if t.writes else 0.0
+            lines.append(
+                f"  tier {name:<8} writes {t.writes:>5}  failures {t.failures}  deferred {t.deferred}  "
+                f"last step {t.last_step}  mean write {mean * 1e3:.1f} ms"
+            )
+        if s.restored_step is not None:
+            lines.append(
+                f"  restored step {s.restored_step} from tier {s.restored_from!r} in {s.restore_seconds * 1e3:.1f} ms"
+            )
+        for msg in s.skipped_corrupt:
+            lines.append(f"  skipped: {msg}")
+        return "\n".join(lines)
+
+
+def rank_zero_log(trainer: Trainer, msg: str, *args: Any) -> None:
+    if trainer.is_global_zero:
+        log.info(msg, *args)

@@ -1,0 +1,68 @@
+"""`make demo`: train a small GPT on 2 ranks under torchrun, kill a rank mid-run, let torchrun restart the job,
+resume automatically from the newest valid checkpoint, and print what was saved, restored and what it cost."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RUN_DIR = Path(os.environ.get("DEMO_RUN_DIR", "runs/demo"))
+STEPS, KILL_AT, LOCAL_EVERY = 80, 47, 10
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> int:
+    shutil.rmtree(RUN_DIR, ignore_errors=True)
+    RUN_DIR.mkdir(parents=True)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc-per-node", "2", "--max-restarts", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+        "-m", "recipes.pretrain_gpt",
+        f"run_dir={RUN_DIR}", f"trainer.max_steps={STEPS}", "trainer.devices=2", "trainer.strategy=resilient_ddp",
+        f"checkpoint.tiers.1.every_n_steps={LOCAL_EVERY}",
+        "drill.kind=kill", f"drill.step={KILL_AT}", "drill.rank=1", "drill.attempt=0",
+    ]  # fmt: skip
+    print("$", " ".join(cmd), flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())}
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, timeout=900)
+    wall = time.perf_counter() - started
+    report_file = RUN_DIR / "report.jsonl"
+    reports = [json.loads(line) for line in report_file.read_text().splitlines()] if report_file.exists() else []
+    print("\n==================== resilience report ====================")
+    print(f"job: 2 ranks, {STEPS} steps, rank 1 SIGKILLed at step {KILL_AT} (attempt 0)")
+    print(f"torchrun exit code {proc.returncode}")
+    for r in reports:
+        local = r["tiers"].get("local", {})
+        print(
+            f"attempt {r['attempt']}: finished at step {r['final_step']}, loss {r['final_loss']:.4f}; "
+            f"{r['snapshots']} RAM snapshots of {r['state_mib']:.1f} MiB, blocking mean {r['blocking_ms_mean']:.2f} ms "
+            f"(max {r['blocking_ms_max']:.2f}) = {100 * r['blocking_ms_mean'] / max(r['median_step_ms'], 1e-9):.2f}% "
+            f"of a {r['median_step_ms']:.1f} ms step; {local.get('writes', 0)} disk persists, "
+            f"{local.get('failures', 0)} failed"
+        )
+        if r["restored_step"] is not None:
+            print(
+                f"           resumed from step {r['restored_step']} ({r['restored_from']} tier) in "
+                f"{r['restore_ms']:.1f} ms; work lost to the crash: {KILL_AT - r['restored_step']} steps"
+            )
+    print(f"wall time including the restart: {wall:.1f} s")
+    ok = proc.returncode == 0 and any(r["restored_step"] for r in reports) and reports[-1]["final_step"] == STEPS
+    print("demo:", "PASSED (crashed, restarted, resumed, finished)" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Shared training harness for the Lightning tests: a tiny GPT with dropout on shuffled synthetic tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+
+from lightning_resilience import ResumableDataLoader
+from recipes._data import SyntheticTokenDataModule
+from recipes._gpt import TinyGPT
+
+TINY = dict(vocab_size=64, seq_len=16, d_model=32, n_layer=1, n_head=2, dropout=0.1, warmup_steps=3, max_steps=40)
+
+
+class CrashAt(Callback):
+    """Raises at the end of a given global step: a crash the test can inject deterministically."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"injected crash at step {self.step}")
+
+
+def build(seed: int = 7) -> tuple[TinyGPT, SyntheticTokenDataModule]:
+    seed_everything(seed, workers=True)
+    model = TinyGPT(**TINY)
+    # 12 batches an epoch: runs cross epoch boundaries and resume mid-epoch
+    data = SyntheticTokenDataModule(
+        batch_size=4, num_samples=48, seq_len=16, vocab_size=64, seed=3, loader_cls=ResumableDataLoader
+    )
+    return model, data
+
+
+def trainer(max_steps: int, callbacks: list[Callback], **kwargs: Any) -> Trainer:
+    return Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=kwargs.pop("devices", 1),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        deterministic=True,
+        callbacks=callbacks,
+        **kwargs,
+    )
+
+
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs"

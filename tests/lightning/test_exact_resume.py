@@ -1,0 +1,54 @@
+"""A crashed and resumed run ends bitwise equal to an uninterrupted one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_resilience import LocalTier, MemoryTier, TieredCheckpoint
+from tests.lightning._training import CrashAt, assert_bitwise_equal, build, trainer, weights
+
+STEPS = 30
+
+
+def _reference() -> dict:
+    model, data = build()
+    trainer(STEPS, []).fit(model, datamodule=data)
+    return weights(model)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return _reference()
+
+
+def _tiers(root: Path) -> list:
+    return [MemoryTier(every_n_steps=1, keep=2), LocalTier(root, every_n_steps=5, keep=2)]
+
+
+@pytest.mark.parametrize("crash_at", [17, 24])  # mid-epoch, and exactly on an epoch boundary (12 batches an epoch)
+def test_resume_after_crash_is_bitwise_exact(tmp_path: Path, reference: dict, crash_at: int) -> None:
+    model, data = build()
+    with pytest.raises(RuntimeError, match="injected crash"):
+        trainer(STEPS, [TieredCheckpoint(_tiers(tmp_path)), CrashAt(crash_at)]).fit(model, datamodule=data)
+
+    model, data = build(seed=99)  # a fresh process would start from different random weights
+    cb = TieredCheckpoint(_tiers(tmp_path))
+    t = trainer(STEPS, [cb])
+    t.fit(model, datamodule=data)
+    assert cb.stats.restored_step == (crash_at // 5) * 5
+    assert cb.stats.restored_from == "local"
+    assert t.global_step == STEPS
+    assert_bitwise_equal(weights(model), reference)
+
+
+def test_resume_never_starts_fresh(tmp_path: Path) -> None:
+    model, data = build()
+    trainer(10, [TieredCheckpoint(_tiers(tmp_path))]).fit(model, datamodule=data)
+    model, data = build()
+    cb = TieredCheckpoint(_tiers(tmp_path), resume="never")
+    t = trainer(3, [cb])
+    t.fit(model, datamodule=data)
+    assert cb.stats.restored_step is None
+    assert t.global_step == 3
