@@ -5,6 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+LINT_PATHS := lightning_resilience recipes tests $(wildcard benchmarks)
 
 .PHONY: venv demo test lint typecheck unit bench clean
 
@@ -21,8 +22,8 @@ demo: $(STAMP)
 	$(BIN)/python -m recipes.demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check lightning_resilience recipes tests benchmarks
-	$(BIN)/ruff format --check lightning_resilience recipes tests benchmarks
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy lightning_resilience recipes

@@ -11,7 +11,7 @@ from lightning_resilience.checkpoint import (
     Tier,
 )
 from lightning_resilience.config import CheckpointConfig, LocalTierConfig, MemoryTierConfig
-from lightning_resilience.lightning import ResilientDDPStrategy, TieredCheckpoint
+from lightning_resilience.lightning import ResilientDDPStrategy, ResilientModelParallelStrategy, TieredCheckpoint
 
 __all__ = [
     "CheckpointConfig",
@@ -23,6 +23,7 @@ __all__ = [
     "MemoryTierConfig",
     "NoValidCheckpointError",
     "ResilientDDPStrategy",
+    "ResilientModelParallelStrategy",
     "ResumableDataLoader",
     "Tier",
     "TieredCheckpoint",

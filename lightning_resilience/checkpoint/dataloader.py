@@ -29,42 +29,58 @@ class ResumableDataLoader(DataLoader):
         super().__init__(*args, **kwargs)
         self._yielded = 0
         self._epoch_rng: torch.Tensor | None = None
+        self._first_rng: torch.Tensor | None = None
         self._resume: dict[str, Any] | None = None
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         resume, self._resume = self._resume, None
         if resume is not None and resume["epoch_rng"] is not None and 0 < resume["yielded"] < len(self):
-            return self._resumed_iter(resume["epoch_rng"], int(resume["yielded"]))
-        self._epoch_rng = torch.get_rng_state()
-        self._yielded = 0
+            return self._resumed(resume["epoch_rng"], resume["first_rng"], int(resume["yielded"]))
+        self._epoch_rng, self._first_rng, self._yielded = torch.get_rng_state(), None, 0
         return self._counting(super().__iter__())
 
-    def _resumed_iter(self, epoch_rng: torch.Tensor, skip: int) -> Iterator[Any]:
+    def _resumed(self, epoch_rng: torch.Tensor, first_rng: torch.Tensor | None, skip: int) -> Iterator[Any]:
+        # a generator: nothing runs before the first next(), i.e. after Lightning has set the sampler's epoch
         current = torch.get_rng_state()
-        torch.set_rng_state(epoch_rng)
         try:
+            torch.set_rng_state(epoch_rng)
             inner = super().__iter__()
+            if first_rng is not None:
+                torch.set_rng_state(first_rng)
             for _ in range(skip):  # replays the draws the interrupted epoch made
                 next(inner)
         finally:
             torch.set_rng_state(current)
-        self._epoch_rng = epoch_rng.clone()
-        self._yielded = skip
-        return self._counting(inner)
+        self._epoch_rng, self._first_rng, self._yielded = epoch_rng, first_rng, skip
+        yield from self._counting(inner)
 
     def _counting(self, inner: Iterator[Any]) -> Iterator[Any]:
-        for batch in inner:
+        while True:
+            if self._first_rng is None:  # samplers draw their shuffle seed lazily, at the first batch
+                self._first_rng = torch.get_rng_state()
+            try:
+                batch = next(inner)
+            except StopIteration:
+                return
             self._yielded += 1
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        """Epoch-start RNG state and the number of batches handed out in the current epoch."""
-        return {"epoch_rng": None if self._epoch_rng is None else self._epoch_rng.clone(), "yielded": self._yielded}
+        """RNG states at the epoch's start and first batch, and the number of batches handed out this epoch."""
+        return {
+            "epoch_rng": None if self._epoch_rng is None else self._epoch_rng.clone(),
+            "first_rng": None if self._first_rng is None else self._first_rng.clone(),
+            "yielded": self._yielded,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Make the next ``iter()`` continue the saved epoch where it stopped."""
-        rng = state_dict.get("epoch_rng")
+
+        def as_state(value: Any) -> torch.Tensor | None:
+            return None if value is None else torch.as_tensor(value, dtype=torch.uint8).clone()
+
         self._resume = {
-            "epoch_rng": None if rng is None else torch.as_tensor(rng, dtype=torch.uint8).clone(),
+            "epoch_rng": as_state(state_dict.get("epoch_rng")),
+            "first_rng": as_state(state_dict.get("first_rng")),
             "yielded": int(state_dict.get("yielded", 0)),
         }

@@ -22,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from lightning_resilience._version import __version__
@@ -127,11 +128,19 @@ def write_shard(
     directory.mkdir(parents=True, exist_ok=False)
     if snap.tensors:
         # DCP holds tensors only: its loader would unpickle non-tensor values without restriction
-        dcp.save(
-            dict(snap.tensors),
-            storage_writer=FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=1),
-            no_dist=True,
-        )
+        try:
+            dcp.save(
+                dict(snap.tensors),
+                storage_writer=FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=1),
+                no_dist=True,
+            )
+        except CheckpointException as err:
+            # DCP wraps its writer's errors in a BaseException subclass that no `except Exception/OSError` sees;
+            # re-raise a disk fault as the OSError it is, anything else as an ordinary exception
+            io_error = next((exc for exc, _ in err.failures.values() if isinstance(exc, OSError)), None)
+            if io_error is not None:
+                raise OSError(io_error.errno, io_error.strerror, io_error.filename) from err
+            raise RuntimeError(f"{directory}: writing tensors failed: {err}") from err
     _write_synced(directory / SKELETON, json.dumps(snap.skeleton, separators=(",", ":")).encode())
     files = {}
     for entry in sorted(directory.iterdir()):
@@ -179,15 +188,21 @@ def validate_shard(directory: Path, *, verify_checksums: bool = True) -> Manifes
     """
     manifest = read_manifest(directory)
     for name, info in manifest.files.items():
-        path = _inside(directory, name)
         try:
+            path = _inside(directory, name)
             size = path.stat().st_size
+            if size != info.get("size"):
+                raise CheckpointCorruptError(
+                    f"{directory}: file {name} has {size} bytes, manifest says {info.get('size')}"
+                )
+            if verify_checksums and checksum_file(path) != info.get("xxh3_64"):
+                raise CheckpointCorruptError(f"{directory}: checksum mismatch in {name}")
+        except CheckpointCorruptError:
+            raise
         except FileNotFoundError as err:
             raise CheckpointCorruptError(f"{directory}: file {name} is missing") from err
-        if size != info.get("size"):
-            raise CheckpointCorruptError(f"{directory}: file {name} has {size} bytes, manifest says {info.get('size')}")
-        if verify_checksums and checksum_file(path) != info.get("xxh3_64"):
-            raise CheckpointCorruptError(f"{directory}: checksum mismatch in {name}")
+        except (OSError, ValueError, RuntimeError) as err:  # NUL in the name, a directory, a symlink loop...
+            raise CheckpointCorruptError(f"{directory}: manifest names an unusable file {name!r} ({err})") from err
     if SKELETON not in manifest.files:
         raise CheckpointCorruptError(f"{directory}: manifest lists no {SKELETON}")
     return manifest
@@ -207,7 +222,7 @@ def read_shard(directory: Path, *, verify_checksums: bool = True) -> tuple[Manif
             dcp.load(tensors, storage_reader=SafeFileSystemReader(directory), no_dist=True)
     except CheckpointCorruptError:
         raise
-    except Exception as err:  # any decode failure of validated bytes still means "do not trust this shard"
+    except (Exception, CheckpointException) as err:  # DCP raises CheckpointException, a BaseException
         raise CheckpointCorruptError(f"{directory}: shard unreadable ({type(err).__name__}: {err})") from err
     return manifest, StagedSnapshot(manifest.step, skeleton, tensors, dict(manifest.meta))
 
@@ -234,7 +249,16 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP metadata and nothing else: DCP's own dataclasses, torch dtypes, sizes and paths."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_GLOBALS:
+        # protocol >= 4 resolves a dotted name attribute by attribute, so "os.system" would be reached through
+        # an allowed module's globals; and of an allowed module only the classes it defines are needed
+        if "." in name:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+        if module in _ALLOWED_MODULES:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and obj.__module__ == module:
+                return obj
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+        if (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype | torch.layout):
             return getattr(torch, name)

@@ -21,7 +21,7 @@ from lightning_resilience.checkpoint.errors import CheckpointCorruptError, Check
 from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.checkpoint.snapshot import HostSnapshot, SnapshotPool
 from lightning_resilience.checkpoint.tier import Tier, TierIdentity
-from lightning_resilience.checkpoint.tree import flatten_state, unflatten_state
+from lightning_resilience.checkpoint.tree import DTensorRebuilder, flatten_state, unflatten_state
 from lightning_resilience.checkpoint.worker import PersistWorker
 from lightning_resilience.config.checkpoint import CheckpointConfig
 
@@ -256,12 +256,13 @@ class CheckpointManager:
         return idle
 
     # ---------------------------------------------------------------- restore
-    def restore(self, step: int | None = None) -> Restored | None:
+    def restore(self, step: int | None = None, *, rebuild_dtensor: DTensorRebuilder | None = None) -> Restored | None:
         """Collectively pick and load the newest step that every rank can load (or exactly ``step``).
 
         Each rank lists committed steps in all its tiers; the candidates are the steps every rank has. From the
         newest down, every rank loads and validates its shard from its fastest tier that has one; the step is
         taken only if all ranks succeeded. A corrupt or partial shard is skipped with a warning naming it.
+        ``rebuild_dtensor`` turns saved local shards back into DTensors (sharded strategies only).
 
         Raises:
             NoValidCheckpointError: ``step`` was requested but is not loadable everywhere, or nothing valid was
@@ -283,13 +284,13 @@ class CheckpointManager:
                 try:
                     snap, source = tier.read(candidate), tier.name
                     break
-                except CheckpointCorruptError as err:
+                except (CheckpointCorruptError, OSError) as err:  # every rank must reach the agreement below
                     msg = f"skipping checkpoint step {candidate} in tier {tier.name!r}: {err}"
                     log.warning(msg)
                     self.stats.skipped_corrupt.append(msg)
             if self._all_true(snap is not None):
                 assert snap is not None
-                state = unflatten_state(snap.skeleton, snap.tensors)
+                state = unflatten_state(snap.skeleton, snap.tensors, rebuild_dtensor=rebuild_dtensor)
                 elapsed = self._clock() - start
                 self.stats.restored_step, self.stats.restored_from, self.stats.restore_seconds = (
                     candidate,

@@ -15,7 +15,7 @@ from typing import Any
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.format import fsync_dir, read_shard, write_shard
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
-from lightning_resilience.checkpoint.tree import flatten_state, unflatten_state
+from lightning_resilience.checkpoint.tree import DTensorRebuilder, flatten_state, unflatten_state
 
 __all__ = ["is_checkpoint_dir", "load_checkpoint_dir", "remove_checkpoint_dir", "save_checkpoint_dir"]
 
@@ -29,7 +29,7 @@ def save_checkpoint_dir(path: str | os.PathLike[str], state: Any, *, step: int, 
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     flat = flatten_state(state)
-    snap = StagedSnapshot(step, flat.skeleton, {n: t.cpu() for n, t in flat.tensors.items()})
+    snap = StagedSnapshot(step, flat.skeleton, {n: t.detach().cpu() for n, t in flat.tensors.items()})
     tmp = root / f".rank_{rank:05d}.tmp-{uuid.uuid4().hex[:12]}"
     final = _shard(root, rank)
     try:
@@ -43,7 +43,9 @@ def save_checkpoint_dir(path: str | os.PathLike[str], state: Any, *, step: int, 
         raise
 
 
-def load_checkpoint_dir(path: str | os.PathLike[str], *, rank: int, world_size: int) -> Any:
+def load_checkpoint_dir(
+    path: str | os.PathLike[str], *, rank: int, world_size: int, rebuild_dtensor: DTensorRebuilder | None = None
+) -> Any:
     """Validate and load this rank's shard.
 
     Raises:
@@ -54,7 +56,7 @@ def load_checkpoint_dir(path: str | os.PathLike[str], *, rank: int, world_size: 
         raise CheckpointCorruptError(
             f"{path}: written by a job of world size {manifest.world_size}, this job has {world_size}"
         )
-    return unflatten_state(snap.skeleton, snap.tensors)
+    return unflatten_state(snap.skeleton, snap.tensors, rebuild_dtensor=rebuild_dtensor)
 
 
 def is_checkpoint_dir(path: str | os.PathLike[str]) -> bool:

@@ -16,8 +16,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["FlatState", "TensorSpec", "flatten_state", "unflatten_state"]
+__all__ = ["DTensorRebuilder", "FlatState", "TensorSpec", "flatten_state", "unflatten_state"]
+
+DTensorRebuilder = Callable[[torch.Tensor, Mapping[str, Any]], Any]
+"""Turns a rank's local shard and its recorded layout (mesh dim names, placements, global shape and stride) back
+into a distributed tensor. Needed only for states that hold DTensors (FSDP2, tensor parallel)."""
 
 _SEP = "/"
 
@@ -93,14 +98,32 @@ def flatten_state(state: Any, *, warn: Callable[[str], None] | None = None) -> F
     def enc(obj: Any, path: str) -> Any:
         if obj is None or isinstance(obj, bool | str):
             return obj
-        if isinstance(obj, int):
-            return obj if not isinstance(obj, enum.Enum) else {"repr": repr(obj)}
-        if isinstance(obj, float):
-            return obj if math.isfinite(obj) else {"f": repr(obj)}
+        if isinstance(obj, int) and not isinstance(obj, enum.Enum):  # enums fall through to the warned repr
+            return int(obj)
+        if isinstance(obj, float) and not isinstance(obj, enum.Enum):
+            # float(): np.float64 is a float subclass whose repr is "np.float64(inf)" under NumPy 2
+            return float(obj) if math.isfinite(obj) else {"f": repr(float(obj))}
+        if isinstance(obj, DTensor):
+            # a sharded parameter: this rank keeps its own shard and the layout needed to rebuild it
+            return {
+                "DT": {
+                    "local": add_tensor(path, obj.to_local())["T"],
+                    "mesh": list(obj.device_mesh.mesh_dim_names or ()),
+                    "placements": [_placement_text(p) for p in obj.placements],
+                    "shape": list(obj.shape),
+                    "stride": list(obj.stride()),
+                }
+            }
         if isinstance(obj, torch.Tensor):
             return add_tensor(path, obj)
         if isinstance(obj, np.ndarray):
-            return {"np": add_tensor(path, torch.from_numpy(np.ascontiguousarray(obj)))["T"]}
+            try:
+                # reshape: ascontiguousarray turns a 0-dim array into shape (1,)
+                array = torch.from_numpy(np.ascontiguousarray(obj).reshape(obj.shape))
+            except (TypeError, ValueError):  # str/object/datetime dtypes, non-native byte order
+                note(f"numpy array of dtype {obj.dtype}")
+                return {"repr": repr(obj)}
+            return {"np": add_tensor(path, array)["T"]}
         if isinstance(obj, np.generic):
             return enc(obj.item(), path)
         if isinstance(obj, Mapping):
@@ -125,8 +148,12 @@ def flatten_state(state: Any, *, warn: Callable[[str], None] | None = None) -> F
     return FlatState(skeleton=skeleton, tensors=tensors)
 
 
-def unflatten_state(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+def unflatten_state(
+    skeleton: Any, tensors: Mapping[str, torch.Tensor], *, rebuild_dtensor: DTensorRebuilder | None = None
+) -> Any:
     """Rebuild the nested state from a skeleton and the tensors it names.
+
+    ``rebuild_dtensor`` is required when the state held DTensors (see :data:`DTensorRebuilder`).
 
     Raises:
         KeyError: the skeleton names a tensor that ``tensors`` lacks.
@@ -151,6 +178,10 @@ def unflatten_state(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
             return tuple(dec(v) for v in val)
         if tag == "T":
             return tensors[val]
+        if tag == "DT":
+            if rebuild_dtensor is None:
+                raise ValueError("checkpoint holds sharded (DTensor) state: restore it through a sharding strategy")
+            return rebuild_dtensor(tensors[val["local"]], val)
         if tag == "np":
             return tensors[val].numpy()
         if tag == "f":
@@ -166,6 +197,23 @@ def unflatten_state(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         raise ValueError(f"unknown checkpoint skeleton tag {tag!r}; written by a newer lightning_resilience?")
 
     return dec(skeleton)
+
+
+def _placement_text(placement: Any) -> str:
+    if isinstance(placement, Shard):
+        return f"S{placement.dim}"
+    if isinstance(placement, Replicate):
+        return "R"
+    raise ValueError(f"cannot checkpoint a DTensor with placement {placement!r} (pending reduction?)")
+
+
+def placement_from_text(text: str) -> Shard | Replicate:
+    """Inverse of the placement encoding used in skeletons (``S0``, ``R``)."""
+    if text == "R":
+        return Replicate()
+    if text.startswith("S") and text[1:].isdigit():
+        return Shard(int(text[1:]))
+    raise ValueError(f"unknown DTensor placement {text!r} in checkpoint")
 
 
 def _hashable(key: Any) -> Any:

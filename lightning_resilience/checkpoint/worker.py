@@ -32,6 +32,7 @@ class PersistWorker:
         self._running = False
         self._results: list[Any] = []
         self._error: BaseException | None = None
+        self._died: BaseException | None = None
         self._closing = False
         self._thread: threading.Thread | None = None
 
@@ -49,11 +50,12 @@ class PersistWorker:
         if self._error is not None:
             err, self._error = self._error, None
             raise CheckpointWorkerError(f"checkpoint persist worker failed: {type(err).__name__}: {err}") from err
-        if self._thread is not None and not self._thread.is_alive() and not self._closing:
+        thread_gone = self._thread is not None and not self._thread.is_alive() and not self._closing
+        if self._died is not None or thread_gone:
             raise CheckpointWorkerError(
                 "checkpoint persist worker died without reporting an error; the last in-flight persist is lost, "
                 "earlier committed checkpoints are intact"
-            )
+            ) from self._died
 
     def submit(self, job: Callable[[], Any]) -> None:
         """Start ``job`` in the background.
@@ -123,8 +125,9 @@ class PersistWorker:
                     self._running = False
                     self._cond.notify_all()
                 continue
-            except BaseException:
+            except BaseException as err:
                 with self._cond:
+                    self._died = err  # noticed by the owner even before the thread is gone
                     self._running = False
                     self._cond.notify_all()
                 raise

@@ -2,5 +2,6 @@
 
 from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
 from lightning_resilience.lightning.strategies.ddp import ResilientDDPStrategy
+from lightning_resilience.lightning.strategies.model_parallel import ResilientModelParallelStrategy
 
-__all__ = ["ResilientDDPStrategy", "TieredCheckpoint"]
+__all__ = ["ResilientDDPStrategy", "ResilientModelParallelStrategy", "TieredCheckpoint"]

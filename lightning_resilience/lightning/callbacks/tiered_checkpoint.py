@@ -69,7 +69,9 @@ class TieredCheckpoint(Callback):
         self._last_step = trainer.global_step
         if self.config.resume == "never" or trainer.ckpt_path is not None:
             return  # an explicit fit(ckpt_path=...) wins over automatic resume
-        restored = self.manager.restore(self.config.resume_step)
+        # sharded strategies rebuild DTensors on their device mesh
+        rebuild = getattr(trainer.strategy, "rebuild_dtensor", None)
+        restored = self.manager.restore(self.config.resume_step, rebuild_dtensor=rebuild)
         if restored is None:
             rank_zero_log(trainer, "no checkpoint to resume from: starting at step %d", trainer.global_step)
             return

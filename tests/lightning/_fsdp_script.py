@@ -1,0 +1,76 @@
+"""Run under torchrun: a tiny GPT on 2 CPU ranks, FSDP2 (fully_shard) or DDP, with TieredCheckpoint; may crash."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
+
+from lightning_resilience import (
+    LocalTier,
+    MemoryTier,
+    ResilientDDPStrategy,
+    ResilientModelParallelStrategy,
+    TieredCheckpoint,
+)
+from recipes._gpt import TinyGPT
+from tests.lightning._training import TINY, CrashAt, build, trainer
+
+
+class ShardedGPT(TinyGPT):
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt", type=Path)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--crash-at", type=int, default=-1)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--perturb", action="store_true", help="start from other weights (a restore must fix it)")
+    parser.add_argument("--ddp", action="store_true")
+    args = parser.parse_args()
+    _, data = build()  # same seed as the reference: Lightning seeds the DistributedSampler from it
+    model: TinyGPT = TinyGPT(**TINY) if args.ddp else ShardedGPT(**TINY)
+    if args.perturb:
+        gen = torch.Generator().manual_seed(99)  # a private generator: the global RNG streams stay untouched
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen), alpha=0.01)
+    callbacks: list[Any] = []
+    if args.ckpt is not None:
+        callbacks.append(TieredCheckpoint([MemoryTier(1, 2), LocalTier(args.ckpt, every_n_steps=5, keep=2)]))
+    if args.crash_at > 0:
+        callbacks.append(CrashAt(args.crash_at))
+    strategy: Any = (
+        ResilientDDPStrategy()
+        if args.ddp
+        else ResilientModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    )
+    t = trainer(args.steps, callbacks, devices=2, strategy=strategy)
+    t.fit(model, datamodule=data)
+    if args.out is None:
+        return
+    if args.ddp:
+        result = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    else:  # gathers are collective: every rank takes part, rank 0 keeps the result
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        result = dict(get_model_state_dict(t.strategy.model, options=options))
+        osd = get_optimizer_state_dict(t.strategy.model, t.optimizers[0], options=options)
+        result.update({f"opt.{k}.{kk}": vv for k, st in osd.get("state", {}).items() for kk, vv in st.items()})
+    if t.global_rank == 0:
+        torch.save({k: v.clone() for k, v in result.items()}, args.out)
+        if callbacks:
+            print(f"RESTORED_STEP={callbacks[0].stats.restored_step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
