@@ -137,10 +137,19 @@ class CheckpointManager:
         return self.identity.world_size
 
     # ------------------------------------------------------------- per step
-    def on_step(self, step: int, state: Callable[[], Any], meta: dict[str, Any] | None = None) -> bool:
+    def on_step(
+        self,
+        step: int,
+        state: Callable[[], Any],
+        meta: dict[str, Any] | None = None,
+        *,
+        overlap: Callable[[torch.Tensor], bool] | None = None,
+    ) -> bool:
         """Snapshot ``state()`` if any tier wants ``step``; start a background persist if one is due.
 
-        Only the host copy (and, at a persist cadence, one small agreement) blocks the caller.
+        Only the host copy (and, at a persist cadence, one small agreement) blocks the caller. Tensors for which
+        ``overlap`` is true are copied in the background instead: they must stay unchanged until
+        :meth:`wait_snapshot` returns (see :meth:`guard_optimizer`, which calls it before every optimizer step).
         Returns True when a snapshot was taken.
         """
         self.collect()
@@ -163,7 +172,9 @@ class CheckpointManager:
                 persist_now, self._deferred = persist_due, []
         if memory_due or persist_now:
             flat = flatten_state(state(), warn=log.warning)
-            slot = self._pool.capture(step, flat, dict(meta or {}), timeout=self.config.snapshot_timeout)
+            slot = self._pool.capture(
+                step, flat, dict(meta or {}), timeout=self.config.snapshot_timeout, overlap=overlap
+            )
             for tier in memory_due:
                 self._pool.retain(slot)
                 tier.adopt(slot, self._pool.release)
@@ -180,6 +191,17 @@ class CheckpointManager:
         self.stats.last_capture_seconds = elapsed
         self.stats.capture_seconds_max = max(self.stats.capture_seconds_max, elapsed)
         return bool(memory_due or persist_now)
+
+    def wait_snapshot(self) -> None:
+        """Block (bounded) until the newest snapshot's background copy has landed."""
+        self._pool.wait_inflight(self.config.snapshot_timeout)
+
+    def guard_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make ``optimizer.step`` wait for an in-flight snapshot copy of the tensors it is about to change.
+
+        Returns the hook handle (``.remove()`` it when done).
+        """
+        return optimizer.register_step_pre_hook(lambda *_: self.wait_snapshot())
 
     def _agree(self, tiers: list[Tier]) -> tuple[bool, dict[str, int | None]]:
         """Collectively: is any rank's worker busy, and which step is committed on every rank, per tier."""
@@ -268,6 +290,7 @@ class CheckpointManager:
             NoValidCheckpointError: ``step`` was requested but is not loadable everywhere, or nothing valid was
                 found and ``checkpoint.if_none_valid`` is ``fail``.
         """
+        self.wait_snapshot()
         start = self._clock()
         where: dict[int, list[Tier]] = {}
         for tier in self.tiers:
@@ -338,6 +361,7 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        self._pool.close(self.config.snapshot_timeout)
         drained = self._worker.close(timeout or self.config.drain_timeout)
         if not drained:
             log.error("checkpoint persist did not finish within %s; its step is not committed", timeout)

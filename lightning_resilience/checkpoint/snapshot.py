@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -46,6 +47,67 @@ class StagedSnapshot:
         )
 
 
+class _CopyJob:
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.pairs = pairs
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self, timeout: timedelta) -> None:
+        if not self.done.wait(timeout.total_seconds()):
+            raise TimeoutError(f"host snapshot copy did not finish within {timeout}")
+        if self.error is not None:
+            raise RuntimeError(f"host snapshot copy failed: {self.error}") from self.error
+
+
+class _Copier:
+    """One owned thread that copies into host buffers while the training thread runs the next step.
+
+    ``Tensor.copy_`` releases the GIL, so the copy really runs beside the forward and backward passes.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: list[_CopyJob] = []
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> _CopyJob:
+        job = _CopyJob(pairs)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("snapshot copier is closed")
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="lr-snapshot-copy", daemon=True)
+                self._thread.start()
+            self._queue.append(job)
+            self._cond.notify_all()
+        return job
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                job = self._queue.pop(0)
+            try:
+                for dst, src in job.pairs:
+                    dst.copy_(src)
+            except BaseException as err:  # surfaced by job.wait() on the training thread
+                job.error = err
+            finally:
+                job.done.set()
+
+    def close(self, timeout: timedelta) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout.total_seconds())
+
+
 class HostSnapshot:
     """One set of host buffers, laid out for a given set of tensor specs and reused across steps."""
 
@@ -54,6 +116,7 @@ class HostSnapshot:
         self._buffers: dict[str, torch.Tensor] = {}
         self._signature: tuple[Any, ...] = ()
         self._event: torch.cuda.Event | None = None
+        self._job: _CopyJob | None = None
         self.step = -1
         self.skeleton: Any = None
         self.meta: dict[str, Any] = {}
@@ -78,29 +141,60 @@ class HostSnapshot:
         self._buffers = fresh
         self.reallocations += 1
 
-    def copy_from(self, step: int, flat: FlatState, meta: dict[str, Any], stream: torch.cuda.Stream | None) -> None:
-        """Copy ``flat``'s tensors into this slot. With a CUDA stream the device-to-host copies are queued on it."""
+    def copy_from(
+        self,
+        step: int,
+        flat: FlatState,
+        meta: dict[str, Any],
+        stream: torch.cuda.Stream | None,
+        *,
+        overlap: Callable[[torch.Tensor], bool] | None = None,
+        copier: _Copier | None = None,
+    ) -> None:
+        """Copy ``flat``'s tensors into this slot.
+
+        With a CUDA stream the device-to-host copies are queued on it (the training stream is made to wait for them
+        before it runs anything later, without blocking the CPU). On the CPU, tensors for which ``overlap`` is true
+        (they stay unchanged until the next optimizer step) are copied by ``copier`` in the background; the rest
+        now. Either way :meth:`wait_copied` waits for completion.
+        """
+        self.wait_copied()
         self._ensure_layout(flat)
         if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())
+            current = torch.cuda.current_stream()
+            stream.wait_stream(current)
             with torch.cuda.stream(stream):
                 for name, src in flat.tensors.items():
+                    if src.is_cuda:
+                        src.record_stream(stream)  # a temporary source must outlive the copy that reads it
                     self._buffers[name].copy_(src, non_blocking=src.is_cuda)
                 self._event = torch.cuda.Event()
                 self._event.record(stream)
+            # later kernels of the training stream (the next optimizer step) must not overwrite a source while the
+            # copy still reads it; the CPU is not blocked by this wait
+            current.wait_event(self._event)
+            self._job = None
         else:
-            for name, src in flat.tensors.items():
-                self._buffers[name].copy_(src)
             self._event = None
+            deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for name, src in flat.tensors.items():
+                if copier is not None and overlap is not None and overlap(src):
+                    deferred.append((self._buffers[name], src))
+                else:
+                    self._buffers[name].copy_(src)
+            self._job = copier.submit(deferred) if deferred and copier is not None else None
         self.step = step
         self.skeleton = flat.skeleton
         self.meta = dict(meta)
 
-    def wait_copied(self) -> None:
-        """Block until the device-to-host copies of this slot have landed (no-op on CPU)."""
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
+    def wait_copied(self, timeout: timedelta = timedelta(seconds=300)) -> None:
+        """Block (bounded) until every copy into this slot has landed."""
+        # called from the training thread and the persist worker alike; waiting on a completed handle is free
+        event, job = self._event, self._job
+        if event is not None:
+            event.synchronize()
+        if job is not None:
+            job.wait(timeout)
 
     def view(self) -> StagedSnapshot:
         self.wait_copied()
@@ -127,6 +221,8 @@ class SnapshotPool:
         self._slots: list[HostSnapshot] = []
         self._cond = threading.Condition()
         self._stream: torch.cuda.Stream | None = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._copier = _Copier()
+        self._inflight: HostSnapshot | None = None
 
     @property
     def pinned(self) -> bool:
@@ -137,11 +233,19 @@ class SnapshotPool:
         return sum(s.nbytes for s in self._slots)
 
     def capture(
-        self, step: int, flat: FlatState, meta: dict[str, Any], *, timeout: timedelta = timedelta(seconds=60)
+        self,
+        step: int,
+        flat: FlatState,
+        meta: dict[str, Any],
+        *,
+        timeout: timedelta = timedelta(seconds=60),
+        overlap: Callable[[torch.Tensor], bool] | None = None,
     ) -> HostSnapshot:
         """Copy ``flat`` into a free slot and return it holding one reference (the caller's).
 
-        Waits (bounded) only when every slot is still referenced, which a correctly sized pool avoids.
+        Waits (bounded) only when every slot is still referenced, which a correctly sized pool avoids. Tensors for
+        which ``overlap`` is true are copied in the background: the caller must call :meth:`wait_inflight` before
+        it next changes them (the next optimizer step).
 
         Raises:
             TimeoutError: no slot was released within ``timeout``.
@@ -164,8 +268,20 @@ class SnapshotPool:
                         f"(now {self._max}) or persist less often"
                     )
             slot.refs = 1
-        slot.copy_from(step, flat, meta, self._stream)
+        self.wait_inflight(timeout)
+        slot.copy_from(step, flat, meta, self._stream, overlap=overlap, copier=self._copier)
+        self._inflight = slot
         return slot
+
+    def wait_inflight(self, timeout: timedelta = timedelta(seconds=300)) -> None:
+        """Wait until the newest capture's background copy is complete (call before tensors it reads change)."""
+        slot, self._inflight = self._inflight, None
+        if slot is not None:
+            slot.wait_copied(timeout)
+
+    def close(self, timeout: timedelta = timedelta(seconds=60)) -> None:
+        self.wait_inflight(timeout)
+        self._copier.close(timeout)
 
     def retain(self, slot: HostSnapshot) -> None:
         with self._cond:

@@ -88,11 +88,20 @@ def flatten_state(state: Any, *, warn: Callable[[str], None] | None = None) -> F
                 f"checkpoint state holds a {kind} that is stored as its repr and is not restorable"
             )
 
+    seen: dict[tuple[Any, ...], str] = {}
+
     def add_tensor(path: str, tensor: torch.Tensor) -> dict[str, Any]:
+        # tied weights (one storage under two names) are stored once and come back as one shared tensor
+        ptr = tensor.untyped_storage().data_ptr()
+        alias = (ptr, tensor.device, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        if ptr and alias in seen:
+            return {"T": seen[alias]}
         name = path or "_root"
         if name in tensors:  # two containers can render to the same path only through the %2F escape
             name = f"{name}#{len(tensors)}"
         tensors[name] = tensor.detach()
+        if ptr:
+            seen[alias] = name
         return {"T": name}
 
     def enc(obj: Any, path: str) -> Any:

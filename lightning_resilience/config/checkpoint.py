@@ -72,6 +72,10 @@ class CheckpointConfig:
     """A tier write that fails with an I/O error: log and count it and keep training, or stop."""
     max_host_copies: int = 0
     """Upper bound on host snapshot buffers; 0 picks RAM keep + 2 (enough that capture never waits)."""
+    overlap_copy: bool = True
+    """On the CPU, copy parameters and optimizer state into the snapshot in the background while the next forward
+    and backward run; the next optimizer step waits for it. Turn off if something other than the optimizer changes
+    parameters between steps (an in-place weight edit in a callback)."""
     drain_timeout_s: float = 600.0
     """Longest wait for the in-flight persist at teardown."""
     snapshot_timeout_s: float = 60.0

@@ -4,9 +4,10 @@ resume from the newest step every rank can load."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
@@ -47,6 +48,7 @@ class TieredCheckpoint(Callback):
         self.manager: CheckpointManager | None = None
         self._last_step = -1
         self._pending_rng: dict[str, Any] | None = None
+        self._guards: list[Any] = []
         self.restores = 0
 
     @property
@@ -67,6 +69,9 @@ class TieredCheckpoint(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         assert self.manager is not None
         self._last_step = trainer.global_step
+        if self.config.overlap_copy:
+            # a snapshot's background copy must land before the optimizer changes what it reads
+            self._guards = [self.manager.guard_optimizer(opt) for opt in trainer.optimizers]
         if self.config.resume == "never" or trainer.ckpt_path is not None:
             return  # an explicit fit(ckpt_path=...) wins over automatic resume
         # sharded strategies rebuild DTensors on their device mesh
@@ -97,7 +102,10 @@ class TieredCheckpoint(Callback):
             return
         self._last_step = step
         taken = self.manager.on_step(
-            step, lambda: dump_trainer_state(trainer), meta={"epoch": trainer.current_epoch, "batch_idx": batch_idx}
+            step,
+            lambda: dump_trainer_state(trainer),
+            meta={"epoch": trainer.current_epoch, "batch_idx": batch_idx},
+            overlap=_changed_only_by_optimizer(trainer, pl_module) if self._guards else None,
         )
         if taken and trainer.loggers:
             stats = self.manager.stats
@@ -114,12 +122,18 @@ class TieredCheckpoint(Callback):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if self.manager is not None:
-            self.manager.close()
+        self._shutdown()
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit" and self.manager is not None:
+        if stage == "fit":
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        for guard in self._guards:
+            guard.remove()
+        self._guards = []
+        if self.manager is not None:
             self.manager.close()
 
     # ------------------------------------------------------------------ state
@@ -155,6 +169,16 @@ class TieredCheckpoint(Callback):
         for msg in s.skipped_corrupt:
             lines.append(f"  skipped: {msg}")
         return "\n".join(lines)
+
+
+def _changed_only_by_optimizer(trainer: Trainer, pl_module: LightningModule) -> Callable[[torch.Tensor], bool]:
+    """Storages of parameters and optimizer state: they change only inside an optimizer step."""
+    storages = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            storages.update(v.untyped_storage().data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+    storages.discard(0)
+    return lambda t: t.untyped_storage().data_ptr() in storages
 
 
 def rank_zero_log(trainer: Trainer, msg: str, *args: Any) -> None:

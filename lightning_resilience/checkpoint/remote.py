@@ -1,0 +1,629 @@
+"""RemoteTier: checkpoints in any fsspec store (S3, GCS, Azure, a shared file system), committed by the manifest.
+
+Layout (mirrors :mod:`lightning_resilience.checkpoint.local`)::
+
+    <url>/step_000000000120/rank_00000/{.metadata, __0_0.distcp, skeleton.json, manifest.json}
+
+Object stores have no rename, so the commit point is the manifest object: a shard is staged in a local temporary
+directory, every data file is uploaded, and ``manifest.json`` is uploaded last. A shard is committed if and only
+if its manifest exists; :meth:`RemoteTier.read` then trusts it only after checking every file's size and checksum.
+Deleting removes the manifest first (un-commit), then the rest, so a reader never sees a half-deleted shard as
+committed.
+
+Uploads run on the checkpoint manager's background worker. Transient faults (connection refused or reset,
+timeouts, 5xx, throttling) are retried with exponential backoff; what is still failing after that, and every
+configuration fault (credentials, missing bucket), is raised as :class:`RemoteTierError`, an ``OSError``, so the
+manager counts a failed persist and training continues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+import inspect
+import logging
+import os
+import random
+import re
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from enum import Enum
+from pathlib import Path
+from typing import Any, TypeVar
+
+import fsspec
+from fsspec.asyn import AsyncFileSystem, sync
+
+from lightning_resilience.checkpoint.errors import CheckpointCorruptError
+from lightning_resilience.checkpoint.format import MANIFEST, Manifest, read_shard, write_shard
+from lightning_resilience.checkpoint.local import step_dirname
+from lightning_resilience.checkpoint.snapshot import StagedSnapshot
+from lightning_resilience.checkpoint.tier import TierIdentity, validate_cadence
+
+__all__ = ["RemoteFault", "RemoteTier", "RemoteTierError", "classify_error"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_STEP_RE = re.compile(r"^step_(\d{12})$")
+# a file named by a manifest must be a plain name: it becomes both an object key and a local path on download
+_SAFE_NAME_RE = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9_.\-]{1,255}$")
+# stores whose "directories" are key prefixes: nothing to create, and makedirs() on them may create a bucket
+_OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"})
+# a transfer slower than this on average is treated as hung (on top of timeout_s)
+_MIN_TRANSFER_BYTES_PER_S = 1 << 20
+
+# error codes of S3 and S3-compatible stores (botocore ClientError), by what they mean for a retry
+# fmt: off
+_TRANSIENT_CODES = frozenset({
+    "InternalError", "ServiceUnavailable", "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+    "RequestThrottled", "TooManyRequestsException", "RequestTimeout", "RequestTimeoutException",
+    "PriorRequestNotComplete", "OperationAborted",
+})
+_CREDENTIAL_CODES = frozenset({
+    "AccessDenied", "AllAccessDisabled", "ExpiredToken", "InvalidAccessKeyId", "InvalidClientTokenId", "InvalidToken",
+    "SignatureDoesNotMatch", "TokenRefreshRequired", "UnrecognizedClientException",
+})
+# credential errors raised before any request (botocore, google-auth), matched by name: both are optional
+_CREDENTIAL_ERROR_NAMES = frozenset({
+    "NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "RefreshError",
+    "DefaultCredentialsError",
+})
+# fmt: on
+# errno values of a destination that will not heal by retrying within seconds
+_PERMANENT_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.ENAMETOOLONG, errno.EINVAL, errno.ENOTDIR, errno.EISDIR}
+)
+_REMOTE_MODULES = ("botocore", "aiobotocore", "s3fs", "aiohttp", "gcsfs", "google", "adlfs", "azure", "fsspec")
+
+
+class RemoteFault(str, Enum):
+    """Why a remote operation failed."""
+
+    TRANSIENT = "transient"
+    """Connection refused/reset, timeout, 5xx, throttling: retried, then reported."""
+    CREDENTIALS = "credentials"
+    """The store rejected (or could not find) the credentials: fix tiers.<name>.storage_options or the env."""
+    NO_BUCKET = "no_bucket"
+    """The bucket (container, root directory) of tiers.<name>.url does not exist."""
+    NOT_FOUND = "not_found"
+    """An object is missing (a shard that is not committed, a file deleted underneath)."""
+    PERMANENT = "permanent"
+    """Any other refusal of the store; retrying will not help."""
+    BUG = "bug"
+    """Not a storage fault at all: re-raised as is."""
+
+
+class RemoteTierError(OSError):
+    """A remote-tier operation failed; an ``OSError``, so the manager counts it and training continues.
+
+    Attributes:
+        fault: why it failed.
+        attempts: how many times the operation was tried.
+    """
+
+    def __init__(self, message: str, *, fault: RemoteFault, attempts: int = 1) -> None:
+        super().__init__(message)
+        self.fault = fault
+        self.attempts = attempts
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_error, (str(self), self.fault.value, self.attempts))
+
+
+def _rebuild_error(message: str, fault: str, attempts: int) -> RemoteTierError:
+    return RemoteTierError(message, fault=RemoteFault(fault), attempts=attempts)
+
+
+@functools.lru_cache(maxsize=1)
+def _botocore_transient() -> tuple[type[BaseException], ...]:
+    try:
+        from botocore import exceptions as bce
+    except ImportError:
+        return ()
+    return (bce.ConnectionError, bce.HTTPClientError)
+
+
+def _chain(err: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen and len(seen) < 8:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
+
+
+def _http_status(exc: BaseException) -> tuple[str | None, int | None]:
+    """The error code and HTTP status of a botocore ClientError, a gcsfs HttpError or an aiohttp response error."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, Mapping):
+        error = response.get("Error") or {}
+        meta = response.get("ResponseMetadata") or {}
+        code = error.get("Code")
+        status = meta.get("HTTPStatusCode")
+        if status is None and isinstance(code, str) and code.isdigit():
+            status = int(code)
+        return (str(code) if code is not None else None, status if isinstance(status, int) else None)
+    for attr in ("status", "code", "status_code"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, int) and 100 <= value < 600:
+            return None, value
+    return None, None
+
+
+def classify_error(err: BaseException) -> RemoteFault:
+    """Sort an exception raised by an fsspec backend into a :class:`RemoteFault`."""
+    for exc in _chain(err):
+        code, status = _http_status(exc)
+        if code == "NoSuchBucket":
+            return RemoteFault.NO_BUCKET
+        if code in _CREDENTIAL_CODES or status in (401, 403):
+            return RemoteFault.CREDENTIALS
+        if code in _TRANSIENT_CODES or status == 429 or (status is not None and status >= 500):
+            return RemoteFault.TRANSIENT
+        if code in ("NoSuchKey", "NotFound") or status == 404:
+            return RemoteFault.NOT_FOUND
+        if type(exc).__name__ in _CREDENTIAL_ERROR_NAMES:
+            return RemoteFault.CREDENTIALS
+    if isinstance(err, PermissionError):
+        return RemoteFault.CREDENTIALS
+    if isinstance(err, FileNotFoundError):
+        return RemoteFault.NOT_FOUND
+    if isinstance(err, (TimeoutError, asyncio.TimeoutError, ConnectionError, *_botocore_transient())):
+        return RemoteFault.TRANSIENT
+    if isinstance(err, FileExistsError | NotADirectoryError | IsADirectoryError):
+        return RemoteFault.PERMANENT
+    if isinstance(err, OSError):
+        return RemoteFault.PERMANENT if err.errno in _PERMANENT_ERRNOS else RemoteFault.TRANSIENT
+    if any(cls.__module__.split(".")[0] in _REMOTE_MODULES for cls in type(err).__mro__):
+        # aiohttp's payload errors and the like are transient; a ClientError with a 4xx code is not
+        name = type(err).__name__
+        return RemoteFault.TRANSIENT if "Timeout" in name or "Connection" in name else RemoteFault.PERMANENT
+    return RemoteFault.BUG
+
+
+class RemoteTier:
+    """Off-node tier on any fsspec URL: ``s3://bucket/prefix``, ``gs://...``, ``file:///shared/fs/dir``, ``memory://``.
+
+    Args:
+        url: where checkpoints live; each rank writes only its own shard prefixes below it.
+        every_n_steps: persist cadence of this tier.
+        keep: committed steps retained; older ones are deleted only after a newer one is committed on every rank.
+        name: label in logs, metrics, the report, and in error messages (``tiers.<name>.url``).
+        storage_options: passed to the fsspec filesystem, e.g. ``{"key": ..., "secret": ...,
+            "client_kwargs": {"endpoint_url": ...}}`` for S3. The tier owns its filesystem instance
+            (``skip_instance_cache`` defaults to True) so its cache invalidation touches nobody else's.
+        retries: extra attempts for an operation that failed with a transient fault (0 = try once).
+        backoff_s: wait before the first retry; doubles per retry, with jitter (each wait is 50-100% of it).
+        max_backoff_s: cap on one wait.
+        timeout_s: longest wait for one remote call of an asynchronous backend (S3, GCS, Azure, HTTP); transfers
+            get one more second per MiB. Synchronous backends (``file``, ``memory``) are not bounded by it.
+        sleep: how to wait between retries (injectable for tests).
+
+    Raises:
+        ValueError: an empty URL, an unknown protocol, bad storage options or out-of-range settings, naming the key.
+        ImportError: the URL's protocol needs a package that is not installed (``s3fs``, ``gcsfs``, ``adlfs``).
+    """
+
+    durability = 2
+
+    def __init__(
+        self,
+        url: str,
+        every_n_steps: int = 500,
+        keep: int = 3,
+        name: str = "remote",
+        storage_options: Mapping[str, Any] | None = None,
+        retries: int = 5,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 10.0,
+        timeout_s: float = 60.0,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        validate_cadence(f"tiers.{name}", every_n_steps, keep)
+        key = f"tiers.{name}"
+        if retries < 0:
+            raise ValueError(f"{key}.retries must be >= 0, got {retries}")
+        if backoff_s < 0:
+            raise ValueError(f"{key}.backoff_s must be >= 0, got {backoff_s}")
+        if max_backoff_s < backoff_s:
+            raise ValueError(f"{key}.max_backoff_s must be >= backoff_s ({backoff_s}), got {max_backoff_s}")
+        if timeout_s <= 0:
+            raise ValueError(f"{key}.timeout_s must be > 0, got {timeout_s}")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise ValueError(f"{key}.storage_options must be a mapping, got {type(storage_options).__name__}")
+        if not isinstance(url, str) or not url.strip():
+            raise ValueError(f"{key}.url must be an fsspec URL such as s3://bucket/run-17, got {url!r}")
+        self.protocol = _check_protocols(url, key)
+        self.url = url
+        self.name = name
+        self.every_n_steps = every_n_steps
+        self.keep = keep
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.timeout_s = timeout_s
+        self.retries_total = 0
+        """Retries made so far (all operations), for metrics."""
+        self._sleep = sleep
+        self._random = random.Random()
+        self._options = {"skip_instance_cache": True, **dict(storage_options or {})}
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **self._options)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{key}.storage_options rejected for {key}.url={url!r}: {err}") from err
+        root = root.rstrip("/")
+        if not root:
+            raise ValueError(f"{key}.url={url!r} names no bucket or directory")
+        self.fs = fs
+        self.root = root
+        self._hierarchical = self.protocol not in _OBJECT_STORES
+        self._identity = TierIdentity()
+        self._lock = threading.Lock()
+        self._known: set[int] = set()  # committed steps as this process last saw them (listing or own writes)
+        self._listed = False
+        self._degraded = False  # the store failed us: list from what we know until a write succeeds
+
+    def __repr__(self) -> str:
+        return f"RemoteTier({self.url!r}, every_n_steps={self.every_n_steps}, keep={self.keep}, name={self.name!r})"
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def _rank_name(self) -> str:
+        return f"rank_{self._identity.rank:05d}"
+
+    def shard_path(self, step: int) -> str:
+        """The shard's prefix in the filesystem's own notation (no protocol)."""
+        return f"{self.root}/{step_dirname(step)}/{self._rank_name}"
+
+    def shard_url(self, step: int) -> str:
+        return str(self.fs.unstrip_protocol(self.shard_path(step)))
+
+    # ------------------------------------------------------------------ Tier
+    def bind(self, identity: TierIdentity) -> None:
+        self._identity = identity
+        try:
+            self._remove_uncommitted()
+        except RemoteTierError as err:  # a store that is down at startup is not a reason to stop training
+            log.warning("tiers.%s: could not look for uncommitted shards at startup: %s", self.name, err)
+
+    def write(self, snap: StagedSnapshot) -> None:
+        step = snap.step
+        shard = self.shard_path(step)
+        try:
+            with tempfile.TemporaryDirectory(prefix=f"lr-{self.name}-") as tmp:
+                staged = Path(tmp) / self._rank_name
+                write_shard(
+                    staged,
+                    snap,
+                    rank=self._identity.rank,
+                    world_size=self._identity.world_size,
+                    rank_layout={"rank": self._identity.rank, "world_size": self._identity.world_size},
+                )
+                self._invalidate()
+                # un-commit an earlier copy of this step (a rewrite after a rollback) and drop leftovers of a
+                # failed upload, so the shard never mixes files of two writes
+                self._clear(shard, what=f"clear step {step}")
+                if self._hierarchical:
+                    self._call(f"create {shard}", lambda: self._op("makedirs", shard, exist_ok=True))
+                try:
+                    for path in sorted(staged.iterdir()):
+                        if path.name != MANIFEST:
+                            self._upload(path, f"{shard}/{path.name}")
+                    self._commit(staged / MANIFEST, shard)
+                except Exception:
+                    self._abandon(shard)
+                    raise
+        except RemoteTierError:
+            with self._lock:
+                self._degraded = True
+            raise
+        except FileNotFoundError as err:  # the root (bucket, container, directory) vanished under us
+            with self._lock:
+                self._degraded = True
+            raise self._error(f"upload step {step}", err, RemoteFault.NO_BUCKET, 1) from err
+        with self._lock:
+            self._known.add(step)
+            self._degraded = False
+
+    def read(self, step: int) -> StagedSnapshot:
+        shard = self.shard_path(step)
+        where = self.shard_url(step)
+        self._invalidate()
+        try:
+            raw = self._call(f"read the manifest of step {step}", lambda: self._op("cat_file", f"{shard}/{MANIFEST}"))
+        except FileNotFoundError as err:
+            raise CheckpointCorruptError(f"{where}: not committed (no {MANIFEST})") from err
+        try:
+            text = bytes(raw).decode()
+        except UnicodeDecodeError as err:
+            raise CheckpointCorruptError(f"{where}: manifest unreadable ({err})") from err
+        manifest = Manifest.from_json(text, where=where)
+        for fname in manifest.files:
+            if not _SAFE_NAME_RE.match(fname) or fname == MANIFEST:
+                raise CheckpointCorruptError(f"{where}: manifest names a file outside the shard: {fname!r}")
+        with tempfile.TemporaryDirectory(prefix=f"lr-{self.name}-") as tmp:
+            local = Path(tmp) / self._rank_name
+            local.mkdir()
+            (local / MANIFEST).write_text(text)
+            for fname, info in manifest.files.items():
+                size = info.get("size")
+                try:
+                    self._download(f"{shard}/{fname}", local / fname, size if isinstance(size, int) else 0)
+                except FileNotFoundError as err:
+                    raise CheckpointCorruptError(f"{where}: file {fname} is missing") from err
+            try:
+                loaded, snap = read_shard(local, verify_checksums=True)
+            except CheckpointCorruptError as err:
+                raise CheckpointCorruptError(str(err).replace(str(local), where)) from err
+        if loaded.step != step or loaded.rank != self._identity.rank:
+            raise CheckpointCorruptError(
+                f"{where}: manifest is for step {loaded.step} rank {loaded.rank}, expected {step} rank "
+                f"{self._identity.rank}"
+            )
+        if loaded.world_size != self._identity.world_size:
+            raise CheckpointCorruptError(
+                f"{where}: written by a job of world size {loaded.world_size}, this job has "
+                f"{self._identity.world_size}; resume with the original world size"
+            )
+        return snap
+
+    def list_steps(self) -> list[int]:
+        """Committed steps of this rank, oldest first.
+
+        Never raises for a store fault: a listing that fails is logged and answered from what this process knows
+        (its own commits and the last good listing), so neither training nor a restore from another tier stops
+        because the store is down. While the store is failing (after a failed write or listing) the answer comes
+        from memory without a request, until a write succeeds again: the training thread never waits on an
+        outage.
+        """
+        with self._lock:
+            if self._degraded:
+                return sorted(self._known)
+            # the first listing (usually the restore at startup) gets every retry; later ones run on the training
+            # thread at each persist cadence, so they get one try
+            attempts = 1 if self._listed else self.retries + 1
+        try:
+            steps = self._committed_steps(attempts)
+        except RemoteTierError as err:
+            with self._lock:
+                self._degraded = True
+                known = sorted(self._known)
+            log.warning("tiers.%s: cannot list checkpoints (%s); answering from this process's records", self.name, err)
+            return known
+        with self._lock:
+            self._known = set(steps)
+            self._listed = True
+        return steps
+
+    def delete(self, step: int) -> None:
+        self._invalidate()
+        self._clear(self.shard_path(step), what=f"delete step {step}")
+        if self._hierarchical:
+            self._rmdir(f"{self.root}/{step_dirname(step)}")  # the last rank out removes the step directory
+        with self._lock:
+            self._known.discard(step)
+
+    # ------------------------------------------------------------------ protocol pieces
+    def _committed_steps(self, attempts: int) -> list[int]:
+        self._invalidate()
+        try:
+            entries = self._call("list checkpoints", lambda: self._op("ls", self.root, detail=False), attempts)
+        except FileNotFoundError:
+            return []  # nothing written yet: on object stores an empty prefix does not exist
+        steps = []
+        for entry in entries:
+            match = _STEP_RE.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
+            if match is None:
+                continue
+            step = int(match.group(1))
+            if self._exists(f"{self.shard_path(step)}/{MANIFEST}", attempts):
+                steps.append(step)
+        return sorted(steps)
+
+    def _remove_uncommitted(self) -> None:
+        """Delete this rank's shards that have data but no manifest: uploads of a process that died mid-way."""
+        self._invalidate()
+        try:
+            entries = self._call("list checkpoints", lambda: self._op("ls", self.root, detail=False), 1)
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            match = _STEP_RE.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
+            if match is None:
+                continue
+            shard = self.shard_path(int(match.group(1)))
+            if not self._exists(f"{shard}/{MANIFEST}", 1) and self._find(shard, 1):
+                log.info("tiers.%s: removing an uncommitted shard left by an earlier run: %s", self.name, shard)
+                self._clear(shard, what="remove an uncommitted shard", attempts=1)
+
+    def _clear(self, shard: str, *, what: str, attempts: int | None = None) -> None:
+        """Remove a shard: the manifest first (after that the shard is not committed), then everything else."""
+        names = self._find(shard, attempts)
+        manifest = f"{shard}/{MANIFEST}"
+        if manifest in names:
+            try:
+                self._call(f"{what}: un-commit", lambda: self._op("rm_file", manifest), attempts)
+            except FileNotFoundError:
+                pass
+        rest = [n for n in names if n != manifest]
+        if rest:
+            try:
+                self._call(f"{what}: remove files", lambda: self._op("rm", rest), attempts)
+            except FileNotFoundError:
+                pass
+        if self._hierarchical:
+            self._rmdir(shard)
+
+    def _abandon(self, shard: str) -> None:
+        """Best effort after a failed upload: one try to remove what was uploaded (it is not committed anyway)."""
+        try:
+            self._clear(shard, what="remove a failed upload", attempts=1)
+        except (RemoteTierError, FileNotFoundError) as err:
+            log.info("tiers.%s: leaving the uncommitted upload %s (%s); it is never read", self.name, shard, err)
+
+    def _find(self, prefix: str, attempts: int | None = None) -> list[str]:
+        try:
+            found = self._call(f"list {prefix}", lambda: self._op("find", prefix), attempts)
+        except FileNotFoundError:
+            return []
+        return [str(p) for p in found if str(p).startswith(f"{prefix}/")]
+
+    def _exists(self, path: str, attempts: int | None = None) -> bool:
+        # info() rather than exists(): exists() hides a rejected credential as "absent"
+        try:
+            self._call(f"look up {path}", lambda: self._op("info", path), attempts)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _rmdir(self, path: str) -> None:
+        try:
+            self._op("rmdir", path)
+        except (OSError, ValueError):  # not empty (another rank's shard), already gone, or no directories
+            pass
+
+    def _commit(self, manifest: Path, shard: str) -> None:
+        final = f"{shard}/{MANIFEST}"
+        if not self._hierarchical:
+            self._upload(manifest, final)  # one PUT: the object appears whole or not at all
+            return
+        # a file system copies in place: a crash mid-copy would leave a torn manifest; rename is atomic there
+        partial = f"{shard}/.{MANIFEST}.tmp-{uuid.uuid4().hex[:12]}"
+        self._upload(manifest, partial)
+        self._call(f"commit {final}", lambda: self._op("mv", partial, final))
+
+    def _upload(self, local: Path, remote: str) -> None:
+        size = local.stat().st_size
+        self._call(f"upload {remote}", lambda: self._op("put_file", str(local), remote, nbytes=size))
+
+    def _download(self, remote: str, local: Path, nbytes: int) -> None:
+        self._call(f"download {remote}", lambda: self._op("get_file", remote, str(local), nbytes=nbytes))
+
+    def _invalidate(self) -> None:
+        # listings are cached per filesystem instance; another rank or process may have changed the store
+        self.fs.invalidate_cache()
+
+    # ------------------------------------------------------------------ calls, retries, errors
+    def _op(self, method: str, *args: Any, nbytes: int = 0, **kwargs: Any) -> Any:
+        """Call ``fs.<method>``; on an asynchronous backend, bounded by the tier's timeout."""
+        fs = self.fs
+        coro = getattr(fs, f"_{method}", None)
+        if isinstance(fs, AsyncFileSystem) and inspect.iscoroutinefunction(coro):
+            timeout = self.timeout_s + nbytes / _MIN_TRANSFER_BYTES_PER_S
+            return sync(fs.loop, coro, *args, timeout=timeout, **kwargs)
+        return getattr(fs, method)(*args, **kwargs)
+
+    def _call(self, what: str, fn: Callable[[], T], attempts: int | None = None) -> T:
+        """Run ``fn``, retrying transient faults with backoff.
+
+        Raises:
+            FileNotFoundError: the object is missing (the caller knows what that means).
+            RemoteTierError: any other store fault, after the retries for a transient one.
+        """
+        attempts = self.retries + 1 if attempts is None else max(1, attempts)
+        for attempt in range(attempts):
+            try:
+                return fn()
+            except Exception as err:
+                fault = classify_error(err)
+                if fault is RemoteFault.BUG:
+                    raise
+                if fault is RemoteFault.NOT_FOUND:
+                    if isinstance(err, FileNotFoundError):
+                        raise
+                    raise FileNotFoundError(errno.ENOENT, f"{what}: not found ({err})") from err
+                if fault is not RemoteFault.TRANSIENT or attempt + 1 == attempts:
+                    raise self._error(what, err, fault, attempt + 1) from err
+                delay = self._backoff(attempt)
+                with self._lock:
+                    self.retries_total += 1
+                log.warning(
+                    "tiers.%s: %s failed (%s: %s); retry %d of %d in %.2fs",
+                    self.name,
+                    what,
+                    type(err).__name__,
+                    err,
+                    attempt + 1,
+                    attempts - 1,
+                    delay,
+                )
+                self._sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _backoff(self, attempt: int) -> float:
+        ceiling = min(self.max_backoff_s, self.backoff_s * (2**attempt))
+        return ceiling * self._random.uniform(0.5, 1.0)
+
+    @property
+    def endpoint(self) -> str:
+        """Who answers for this URL, for error messages."""
+        if self.protocol in ("s3", "s3a"):
+            client_kwargs = self._options.get("client_kwargs") or {}
+            endpoint = (
+                client_kwargs.get("endpoint_url")
+                or self._options.get("endpoint_url")
+                or os.environ.get("AWS_ENDPOINT_URL_S3")
+                or os.environ.get("AWS_ENDPOINT_URL")
+            )
+            return str(endpoint) if endpoint else "AWS S3"
+        return f"the {self.protocol} store"
+
+    def _error(self, what: str, err: BaseException, fault: RemoteFault, attempts: int) -> RemoteTierError:
+        key = f"tiers.{self.name}"
+        cause = f"{type(err).__name__}: {err}"
+        if fault is RemoteFault.CREDENTIALS and self.protocol in ("file", "local"):
+            message = (
+                f"{what}: permission denied under {key}.url={self.url} ({cause}); check the directory's owner/mode"
+            )
+        elif fault is RemoteFault.CREDENTIALS:
+            env = {"s3": "AWS_* env", "s3a": "AWS_* env", "gs": "GOOGLE_APPLICATION_CREDENTIALS", "gcs": "GOOGLE_*"}
+            message = (
+                f"{what}: credentials rejected by {self.endpoint} for {key}.url={self.url} ({cause}); check "
+                f"{key}.storage_options (key/secret) or {env.get(self.protocol, 'the backend environment')}"
+            )
+        elif fault is RemoteFault.NO_BUCKET and self._hierarchical:
+            message = f"{what}: directory {self.root!r} vanished ({key}.url={self.url}) ({cause})"
+        elif fault is RemoteFault.NO_BUCKET:
+            bucket = self.root.split("/", 1)[0]
+            message = (
+                f"{what}: bucket {bucket!r} does not exist ({key}.url={self.url}); create it or fix {key}.url ({cause})"
+            )
+        elif fault is RemoteFault.TRANSIENT:
+            message = (
+                f"{what}: failed {attempts} time(s), last with {cause}; {self.endpoint} is unreachable or failing "
+                f"({key}.url={self.url}); checkpoints already in the store are untouched "
+                f"(knobs: {key}.retries, {key}.timeout_s)"
+            )
+        else:
+            message = f"{what}: refused by {self.endpoint} ({cause}); {key}.url={self.url}"
+        return RemoteTierError(f"{key}: {message}", fault=fault, attempts=attempts)
+
+
+def _check_protocols(url: str, key: str) -> str:
+    """Validate every protocol of a (possibly chained) URL; return the innermost one."""
+    protocol = "file"
+    for part in url.split("::"):
+        found, _ = fsspec.core.split_protocol(part)
+        protocol = found or "file"
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ValueError as err:
+            raise ValueError(
+                f"{key}.url={url!r}: unknown protocol {protocol!r} ({err}); use s3://, gs://, az://, file://, "
+                "memory:// or another fsspec protocol"
+            ) from err
+        except ImportError as err:
+            raise ImportError(
+                f"{key}.url={url!r} needs a package that is not installed: {err} "
+                "(for S3: pip install 'lightning-resilience[s3]')"
+            ) from err
+    return protocol
