@@ -7,10 +7,11 @@ from lightning_resilience.checkpoint import (
     LocalTier,
     MemoryTier,
     NoValidCheckpointError,
+    RemoteTier,
     ResumableDataLoader,
     Tier,
 )
-from lightning_resilience.config import CheckpointConfig, LocalTierConfig, MemoryTierConfig
+from lightning_resilience.config import CheckpointConfig, LocalTierConfig, MemoryTierConfig, RemoteTierConfig
 from lightning_resilience.lightning import ResilientDDPStrategy, ResilientModelParallelStrategy, TieredCheckpoint
 
 __all__ = [
@@ -22,6 +23,8 @@ __all__ = [
     "MemoryTier",
     "MemoryTierConfig",
     "NoValidCheckpointError",
+    "RemoteTier",
+    "RemoteTierConfig",
     "ResilientDDPStrategy",
     "ResilientModelParallelStrategy",
     "ResumableDataLoader",

@@ -35,7 +35,13 @@ def main() -> int:
         "drill.kind=kill", f"drill.step={KILL_AT}", "drill.rank=1", "drill.attempt=0",
     ]  # fmt: skip
     print("$", " ".join(cmd), flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())}
+    # a restarted rank must not read its dead peer's address from the previous attempt's store (pytorch#135712)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(Path.cwd()),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
     started = time.perf_counter()
     proc = subprocess.run(cmd, env=env, timeout=900)
     wall = time.perf_counter() - started

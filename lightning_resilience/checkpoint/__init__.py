@@ -10,6 +10,7 @@ from lightning_resilience.checkpoint.errors import (
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.manager import CheckpointManager, CheckpointStats, Restored
 from lightning_resilience.checkpoint.memory import MemoryTier
+from lightning_resilience.checkpoint.remote import RemoteTier, RemoteTierError
 from lightning_resilience.checkpoint.tier import Tier
 
 __all__ = [
@@ -21,6 +22,8 @@ __all__ = [
     "LocalTier",
     "MemoryTier",
     "NoValidCheckpointError",
+    "RemoteTier",
+    "RemoteTierError",
     "ResumableDataLoader",
     "Restored",
     "Tier",

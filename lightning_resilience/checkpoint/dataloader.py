@@ -36,8 +36,13 @@ class ResumableDataLoader(DataLoader):
         resume, self._resume = self._resume, None
         if resume is not None and resume["epoch_rng"] is not None and 0 < resume["yielded"] < len(self):
             return self._resumed(resume["epoch_rng"], resume["first_rng"], int(resume["yielded"]))
+        return self._fresh()
+
+    def _fresh(self) -> Iterator[Any]:
+        # a generator too: resuming at an epoch's end, Lightning calls iter() for the next epoch before the RNG
+        # streams are restored, so the epoch start (and the DataLoader's base-seed draw) waits for the first next()
         self._epoch_rng, self._first_rng, self._yielded = torch.get_rng_state(), None, 0
-        return self._counting(super().__iter__())
+        yield from self._counting(super().__iter__())
 
     def _resumed(self, epoch_rng: torch.Tensor, first_rng: torch.Tensor | None, skip: int) -> Iterator[Any]:
         # a generator: nothing runs before the first next(), i.e. after Lightning has set the sampler's epoch

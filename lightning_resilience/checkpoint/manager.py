@@ -291,6 +291,10 @@ class CheckpointManager:
                 found and ``checkpoint.if_none_valid`` is ``fail``.
         """
         self.wait_snapshot()
+        # a persist in flight may still read snapshot buffers that a RAM restore hands to the training state
+        if not self._worker.wait_idle(self.config.drain_timeout):
+            raise CheckpointWorkerError(f"persist still running after {self.config.drain_timeout}; cannot restore")
+        self.collect()
         start = self._clock()
         where: dict[int, list[Tier]] = {}
         for tier in self.tiers:
@@ -305,7 +309,9 @@ class CheckpointManager:
             snap, source = None, ""
             for tier in where[candidate]:
                 try:
-                    snap, source = tier.read(candidate), tier.name
+                    # RAM hands its buffers over instead of copying them
+                    snap = tier.take(candidate) if isinstance(tier, MemoryTier) else tier.read(candidate)
+                    source = tier.name
                     break
                 except (CheckpointCorruptError, OSError) as err:  # every rank must reach the agreement below
                     msg = f"skipping checkpoint step {candidate} in tier {tier.name!r}: {err}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.snapshot import HostSnapshot, StagedSnapshot
@@ -37,6 +38,17 @@ class MemoryTier:
 
     def __repr__(self) -> str:
         return f"MemoryTier(every_n_steps={self.every_n_steps}, keep={self.keep})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # held snapshots belong to this process (and a lock cannot be pickled): a spawned copy starts empty
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["_held"], state["_copies"] = OrderedDict(), OrderedDict()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def bind(self, identity: TierIdentity) -> None:
         self._identity = identity
@@ -78,6 +90,25 @@ class MemoryTier:
             if step in self._copies:
                 return self._copies[step].clone()
         raise CheckpointCorruptError(f"memory tier holds no snapshot of step {step}")
+
+    def take(self, step: int) -> StagedSnapshot:
+        """Hand the snapshot of ``step`` over to the caller without copying.
+
+        The buffers leave the pool for good (the restored training state owns them now) and the step leaves this
+        tier. This is what makes a restore from RAM cost almost nothing.
+        """
+        with self._lock:
+            held = self._held.pop(step, None)
+            if held is None:
+                copy = self._copies.pop(step, None)
+                if copy is None:
+                    raise CheckpointCorruptError(f"memory tier holds no snapshot of step {step}")
+                return copy
+        slot, release = held
+        snap = slot.view()
+        slot.handed_over = True
+        release(slot)
+        return snap
 
     def list_steps(self) -> list[int]:
         with self._lock:

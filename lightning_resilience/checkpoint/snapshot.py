@@ -121,6 +121,7 @@ class HostSnapshot:
         self.skeleton: Any = None
         self.meta: dict[str, Any] = {}
         self.refs = 0
+        self.handed_over = False
         self.reallocations = 0
 
     def _ensure_layout(self, flat: FlatState) -> None:
@@ -293,4 +294,7 @@ class SnapshotPool:
             assert slot.refs > 0, "double release of a snapshot slot"
             slot.refs -= 1
             if slot.refs == 0:
+                if slot.handed_over and slot in self._slots:
+                    # its buffers now belong to a restored training state: never reuse them
+                    self._slots.remove(slot)
                 self._cond.notify_all()

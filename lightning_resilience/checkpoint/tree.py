@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["DTensorRebuilder", "FlatState", "TensorSpec", "flatten_state", "unflatten_state"]
+__all__ = ["DTensorRebuilder", "FlatState", "TensorSpec", "flatten_state", "storage_ptr", "unflatten_state"]
 
 DTensorRebuilder = Callable[[torch.Tensor, Mapping[str, Any]], Any]
 """Turns a rank's local shard and its recorded layout (mesh dim names, placements, global shape and stride) back
@@ -92,7 +92,7 @@ def flatten_state(state: Any, *, warn: Callable[[str], None] | None = None) -> F
 
     def add_tensor(path: str, tensor: torch.Tensor) -> dict[str, Any]:
         # tied weights (one storage under two names) are stored once and come back as one shared tensor
-        ptr = tensor.untyped_storage().data_ptr()
+        ptr = storage_ptr(tensor)
         alias = (ptr, tensor.device, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
         if ptr and alias in seen:
             return {"T": seen[alias]}
@@ -155,6 +155,16 @@ def flatten_state(state: Any, *, warn: Callable[[str], None] | None = None) -> F
 
     skeleton = enc(state, "")
     return FlatState(skeleton=skeleton, tensors=tensors)
+
+
+def storage_ptr(tensor: torch.Tensor) -> int:
+    """Address of the storage behind ``tensor`` (a DTensor's local shard); 0 when it has none."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # wrapper subclasses without a real storage
+        return 0
 
 
 def unflatten_state(

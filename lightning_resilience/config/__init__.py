@@ -1,5 +1,5 @@
 """Typed, self-validating configuration dataclasses, one per component."""
 
-from lightning_resilience.config.checkpoint import CheckpointConfig, LocalTierConfig, MemoryTierConfig
+from lightning_resilience.config.checkpoint import CheckpointConfig, LocalTierConfig, MemoryTierConfig, RemoteTierConfig
 
-__all__ = ["CheckpointConfig", "LocalTierConfig", "MemoryTierConfig"]
+__all__ = ["CheckpointConfig", "LocalTierConfig", "MemoryTierConfig", "RemoteTierConfig"]

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.memory import MemoryTier
+from lightning_resilience.checkpoint.remote import RemoteTier
 
-__all__ = ["CheckpointConfig", "LocalTierConfig", "MemoryTierConfig"]
+__all__ = ["CheckpointConfig", "LocalTierConfig", "MemoryTierConfig", "RemoteTierConfig"]
 
 _RESUME_WORDS = ("auto", "never")
 
@@ -57,6 +58,46 @@ class LocalTierConfig:
             keep=self.keep,
             name=self.name,
             verify_checksums=self.verify_checksums,
+        )
+
+
+@dataclass(kw_only=True)
+class RemoteTierConfig:
+    """Off-node tier on an fsspec URL (S3, GCS, Azure, shared file system)."""
+
+    url: str
+    """fsspec URL of the bucket prefix or directory, e.g. s3://bucket/run-17."""
+    every_n_steps: int = 500
+    """Persist cadence in optimizer steps."""
+    keep: int = 3
+    """Committed steps retained."""
+    name: str = "remote"
+    """Label in logs, metrics and the report."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to the fsspec filesystem (key, secret, client_kwargs.endpoint_url, config_kwargs, ...)."""
+    retries: int = 5
+    """Extra attempts per request after a transient fault."""
+    backoff_s: float = 0.5
+    """Wait before the first retry; doubles per retry, with jitter."""
+    max_backoff_s: float = 10.0
+    """Cap on one wait between retries."""
+    timeout_s: float = 60.0
+    """Longest wait for one request on asynchronous backends; transfers get 1 s more per MiB."""
+
+    def __post_init__(self) -> None:
+        self.build()
+
+    def build(self) -> RemoteTier:
+        return RemoteTier(
+            self.url,
+            every_n_steps=self.every_n_steps,
+            keep=self.keep,
+            name=self.name,
+            storage_options=dict(self.storage_options),
+            retries=self.retries,
+            backoff_s=self.backoff_s,
+            max_backoff_s=self.max_backoff_s,
+            timeout_s=self.timeout_s,
         )
 
 

@@ -101,9 +101,11 @@ def _scenario_agree(rank: int, tmp: Path) -> dict[str, Any]:
     root = tmp / "ckpt"
     mgr, memory, local = _manager(root)
     _train(rank, mgr)
+    memory_steps = memory.list_steps()
     same = mgr.restore()
     result: dict[str, Any] = {
-        "memory_steps": memory.list_steps(),
+        "memory_steps": memory_steps,
+        "memory_after_restore": memory.list_steps(),  # a RAM restore hands the step's buffers over
         "local_steps": local.list_steps(),
         "local_writes": mgr.stats.tiers["local"].writes,
         "local_failures": mgr.stats.tiers["local"].failures,
@@ -272,7 +274,7 @@ def test_both_ranks_restore_the_same_newest_step(tmp_path: Path) -> None:
         assert res["local_failures"] == 0, res
         assert res["local_writes"] == 3, res  # steps 2, 4, 6
         assert res["local_steps"] == [4, 6], res  # keep=2, step 2 pruned once 4 was common to both ranks
-        assert res["memory_steps"] == [5, 6], res
+        assert res["memory_steps"] == [5, 6] and res["memory_after_restore"] == [5], res
         assert (res["same_step"], res["same_tier"], res["same_state_ok"]) == (6, "memory", True), res
         fresh = res["fresh"]
         assert (fresh["step"], fresh["tier"], fresh["state_ok"]) == (6, "local", True), (rank, fresh)

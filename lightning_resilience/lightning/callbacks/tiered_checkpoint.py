@@ -14,6 +14,7 @@ from typing_extensions import override
 from lightning_resilience.checkpoint.manager import CheckpointManager, CheckpointStats
 from lightning_resilience.checkpoint.rng import capture_rng_states, restore_rng_states
 from lightning_resilience.checkpoint.tier import Tier
+from lightning_resilience.checkpoint.tree import storage_ptr
 from lightning_resilience.config.checkpoint import CheckpointConfig
 from lightning_resilience.lightning._trainer_state import dump_trainer_state, restore_trainer_state
 
@@ -50,6 +51,12 @@ class TieredCheckpoint(Callback):
         self._pending_rng: dict[str, Any] | None = None
         self._guards: list[Any] = []
         self.restores = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        # spawn launchers pickle callbacks: the engine (threads, locks, buffers) is per process and rebuilt in setup
+        state = self.__dict__.copy()
+        state["manager"], state["_guards"] = None, []
+        return state
 
     @property
     def stats(self) -> CheckpointStats:
@@ -173,12 +180,12 @@ class TieredCheckpoint(Callback):
 
 def _changed_only_by_optimizer(trainer: Trainer, pl_module: LightningModule) -> Callable[[torch.Tensor], bool]:
     """Storages of parameters and optimizer state: they change only inside an optimizer step."""
-    storages = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
+    storages = {storage_ptr(p) for p in pl_module.parameters()}
     for optimizer in trainer.optimizers:
         for state in optimizer.state.values():
-            storages.update(v.untyped_storage().data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+            storages.update(storage_ptr(v) for v in state.values() if isinstance(v, torch.Tensor))
     storages.discard(0)
-    return lambda t: t.untyped_storage().data_ptr() in storages
+    return lambda t: storage_ptr(t) in storages
 
 
 def rank_zero_log(trainer: Trainer, msg: str, *args: Any) -> None:
