@@ -25,6 +25,8 @@ DTensorRebuilder = Callable[[torch.Tensor, Mapping[str, Any]], Any]
 into a distributed tensor. Needed only for states that hold DTensors (FSDP2, tensor parallel)."""
 
 _SEP = "/"
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_SCALARS = (bool, str, int, float)
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,15 @@ def flatten_state(state: Any, *, warn: Callable[[str], None] | None = None) -> F
         return {"T": name}
 
     def enc(obj: Any, path: str) -> Any:
+        # exact-type fast paths first: this runs for every node of the state on every step
+        kind = type(obj)
+        if kind in _PLAIN_TENSORS:
+            return add_tensor(path, obj)
+        if kind is dict and all(type(k) is str for k in obj):
+            sub = path + _SEP if path else ""
+            return {"d": {k: enc(v, sub + _key_text(k)) for k, v in obj.items()}}
+        if obj is None or kind in _PLAIN_SCALARS:
+            return obj if kind is not float or math.isfinite(obj) else {"f": repr(obj)}
         if obj is None or isinstance(obj, bool | str):
             return obj
         if isinstance(obj, int) and not isinstance(obj, enum.Enum):  # enums fall through to the warned repr
@@ -159,7 +170,7 @@ def flatten_state(state: Any, *, warn: Callable[[str], None] | None = None) -> F
 
 def storage_ptr(tensor: torch.Tensor) -> int:
     """Address of the storage behind ``tensor`` (a DTensor's local shard); 0 when it has none."""
-    if isinstance(tensor, DTensor):
+    if type(tensor) not in _PLAIN_TENSORS and isinstance(tensor, DTensor):
         tensor = tensor.to_local()
     try:
         return int(tensor.untyped_storage().data_ptr())
