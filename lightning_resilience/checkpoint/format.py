@@ -208,6 +208,23 @@ def validate_shard(directory: Path, *, verify_checksums: bool = True) -> Manifes
     return manifest
 
 
+def check_identity(manifest: Manifest, *, step: int, rank: int, world_size: int, where: str) -> None:
+    """A shard must be the one asked for: same step and rank, written by a job of the same world size.
+
+    Raises:
+        CheckpointCorruptError: naming the shard and the mismatch.
+    """
+    if manifest.step != step or manifest.rank != rank:
+        raise CheckpointCorruptError(
+            f"{where}: manifest is for step {manifest.step} rank {manifest.rank}, expected {step} rank {rank}"
+        )
+    if manifest.world_size != world_size:
+        raise CheckpointCorruptError(
+            f"{where}: written by a job of world size {manifest.world_size}, this job has {world_size}; "
+            "resume with the original world size"
+        )
+
+
 def read_shard(directory: Path, *, verify_checksums: bool = True) -> tuple[Manifest, StagedSnapshot]:
     """Validate and load one shard into freshly allocated host tensors.
 

@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
-from lightning_resilience.checkpoint.format import fsync_dir, read_shard, write_shard
+from lightning_resilience.checkpoint.format import check_identity, fsync_dir, read_shard, write_shard
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tier import TierIdentity, validate_cadence
 
@@ -100,16 +100,9 @@ class LocalTier:
         if not shard.is_dir():
             raise CheckpointCorruptError(f"{shard}: not committed")
         manifest, snap = read_shard(shard, verify_checksums=self.verify_checksums)
-        if manifest.step != step or manifest.rank != self._identity.rank:
-            raise CheckpointCorruptError(
-                f"{shard}: manifest is for step {manifest.step} rank {manifest.rank}, expected {step} rank "
-                f"{self._identity.rank}"
-            )
-        if manifest.world_size != self._identity.world_size:
-            raise CheckpointCorruptError(
-                f"{shard}: written by a job of world size {manifest.world_size}, this job has "
-                f"{self._identity.world_size}; resume with the original world size"
-            )
+        check_identity(
+            manifest, step=step, rank=self._identity.rank, world_size=self._identity.world_size, where=str(shard)
+        )
         return snap
 
     def list_steps(self) -> list[int]:

@@ -18,9 +18,7 @@ manager counts a failed persist and training continues.
 
 from __future__ import annotations
 
-import asyncio
 import errno
-import functools
 import inspect
 import logging
 import os
@@ -30,8 +28,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
-from enum import Enum
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,8 +36,9 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
 
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
-from lightning_resilience.checkpoint.format import MANIFEST, Manifest, read_shard, write_shard
+from lightning_resilience.checkpoint.format import MANIFEST, Manifest, check_identity, read_shard, write_shard
 from lightning_resilience.checkpoint.local import step_dirname
+from lightning_resilience.checkpoint.remote_faults import RemoteFault, RemoteTierError, classify_error
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tier import TierIdentity, validate_cadence
 
@@ -56,137 +54,6 @@ _SAFE_NAME_RE = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9_.\-]{1,255}$")
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"})
 # a transfer slower than this on average is treated as hung (on top of timeout_s)
 _MIN_TRANSFER_BYTES_PER_S = 1 << 20
-
-# error codes of S3 and S3-compatible stores (botocore ClientError), by what they mean for a retry
-# fmt: off
-_TRANSIENT_CODES = frozenset({
-    "InternalError", "ServiceUnavailable", "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-    "RequestThrottled", "TooManyRequestsException", "RequestTimeout", "RequestTimeoutException",
-    "PriorRequestNotComplete", "OperationAborted",
-})
-_CREDENTIAL_CODES = frozenset({
-    "AccessDenied", "AllAccessDisabled", "ExpiredToken", "InvalidAccessKeyId", "InvalidClientTokenId", "InvalidToken",
-    "SignatureDoesNotMatch", "TokenRefreshRequired", "UnrecognizedClientException",
-})
-# credential errors raised before any request (botocore, google-auth), matched by name: both are optional
-_CREDENTIAL_ERROR_NAMES = frozenset({
-    "NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "RefreshError",
-    "DefaultCredentialsError",
-})
-# fmt: on
-# errno values of a destination that will not heal by retrying within seconds
-_PERMANENT_ERRNOS = frozenset(
-    {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.ENAMETOOLONG, errno.EINVAL, errno.ENOTDIR, errno.EISDIR}
-)
-_REMOTE_MODULES = ("botocore", "aiobotocore", "s3fs", "aiohttp", "gcsfs", "google", "adlfs", "azure", "fsspec")
-
-
-class RemoteFault(str, Enum):
-    """Why a remote operation failed."""
-
-    TRANSIENT = "transient"
-    """Connection refused/reset, timeout, 5xx, throttling: retried, then reported."""
-    CREDENTIALS = "credentials"
-    """The store rejected (or could not find) the credentials: fix tiers.<name>.storage_options or the env."""
-    NO_BUCKET = "no_bucket"
-    """The bucket (container, root directory) of tiers.<name>.url does not exist."""
-    NOT_FOUND = "not_found"
-    """An object is missing (a shard that is not committed, a file deleted underneath)."""
-    PERMANENT = "permanent"
-    """Any other refusal of the store; retrying will not help."""
-    BUG = "bug"
-    """Not a storage fault at all: re-raised as is."""
-
-
-class RemoteTierError(OSError):
-    """A remote-tier operation failed; an ``OSError``, so the manager counts it and training continues.
-
-    Attributes:
-        fault: why it failed.
-        attempts: how many times the operation was tried.
-    """
-
-    def __init__(self, message: str, *, fault: RemoteFault, attempts: int = 1) -> None:
-        super().__init__(message)
-        self.fault = fault
-        self.attempts = attempts
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_error, (str(self), self.fault.value, self.attempts))
-
-
-def _rebuild_error(message: str, fault: str, attempts: int) -> RemoteTierError:
-    return RemoteTierError(message, fault=RemoteFault(fault), attempts=attempts)
-
-
-@functools.lru_cache(maxsize=1)
-def _botocore_transient() -> tuple[type[BaseException], ...]:
-    try:
-        from botocore import exceptions as bce
-    except ImportError:
-        return ()
-    return (bce.ConnectionError, bce.HTTPClientError)
-
-
-def _chain(err: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    cur: BaseException | None = err
-    while cur is not None and id(cur) not in seen and len(seen) < 8:
-        seen.add(id(cur))
-        yield cur
-        cur = cur.__cause__ or cur.__context__
-
-
-def _http_status(exc: BaseException) -> tuple[str | None, int | None]:
-    """The error code and HTTP status of a botocore ClientError, a gcsfs HttpError or an aiohttp response error."""
-    response = getattr(exc, "response", None)
-    if isinstance(response, Mapping):
-        error = response.get("Error") or {}
-        meta = response.get("ResponseMetadata") or {}
-        code = error.get("Code")
-        status = meta.get("HTTPStatusCode")
-        if status is None and isinstance(code, str) and code.isdigit():
-            status = int(code)
-        return (str(code) if code is not None else None, status if isinstance(status, int) else None)
-    for attr in ("status", "code", "status_code"):
-        value = getattr(exc, attr, None)
-        if isinstance(value, int) and 100 <= value < 600:
-            return None, value
-    return None, None
-
-
-def classify_error(err: BaseException) -> RemoteFault:
-    """Sort an exception raised by an fsspec backend into a :class:`RemoteFault`."""
-    for exc in _chain(err):
-        code, status = _http_status(exc)
-        if code == "NoSuchBucket":
-            return RemoteFault.NO_BUCKET
-        if code in _CREDENTIAL_CODES or status in (401, 403):
-            return RemoteFault.CREDENTIALS
-        if code in _TRANSIENT_CODES or status == 429 or (status is not None and status >= 500):
-            return RemoteFault.TRANSIENT
-        if code in ("NoSuchKey", "NotFound") or status == 404:
-            return RemoteFault.NOT_FOUND
-        if type(exc).__name__ in _CREDENTIAL_ERROR_NAMES:
-            return RemoteFault.CREDENTIALS
-    if isinstance(err, PermissionError):
-        return RemoteFault.CREDENTIALS
-    if isinstance(err, FileNotFoundError):
-        return RemoteFault.NOT_FOUND
-    if isinstance(err, (TimeoutError, asyncio.TimeoutError, ConnectionError, *_botocore_transient())):
-        return RemoteFault.TRANSIENT
-    if isinstance(err, FileExistsError | NotADirectoryError | IsADirectoryError):
-        return RemoteFault.PERMANENT
-    if isinstance(err, OSError):
-        return RemoteFault.PERMANENT if err.errno in _PERMANENT_ERRNOS else RemoteFault.TRANSIENT
-    if any(cls.__module__.split(".")[0] in _REMOTE_MODULES for cls in type(err).__mro__):
-        # aiohttp's payload errors and the like are transient; a ClientError with a 4xx code is not
-        name = type(err).__name__
-        return RemoteFault.TRANSIENT if "Timeout" in name or "Connection" in name else RemoteFault.PERMANENT
-    return RemoteFault.BUG
 
 
 class RemoteTier:
@@ -364,16 +231,7 @@ class RemoteTier:
                 loaded, snap = read_shard(local, verify_checksums=True)
             except CheckpointCorruptError as err:
                 raise CheckpointCorruptError(str(err).replace(str(local), where)) from err
-        if loaded.step != step or loaded.rank != self._identity.rank:
-            raise CheckpointCorruptError(
-                f"{where}: manifest is for step {loaded.step} rank {loaded.rank}, expected {step} rank "
-                f"{self._identity.rank}"
-            )
-        if loaded.world_size != self._identity.world_size:
-            raise CheckpointCorruptError(
-                f"{where}: written by a job of world size {loaded.world_size}, this job has "
-                f"{self._identity.world_size}; resume with the original world size"
-            )
+        check_identity(loaded, step=step, rank=self._identity.rank, world_size=self._identity.world_size, where=where)
         return snap
 
     def list_steps(self) -> list[int]:
