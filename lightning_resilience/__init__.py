@@ -4,6 +4,7 @@ from lightning_resilience._version import __version__
 from lightning_resilience.checkpoint import (
     CheckpointCorruptError,
     CheckpointManager,
+    DeltaLocalTier,
     LocalTier,
     MemoryTier,
     NoValidCheckpointError,
@@ -11,13 +12,21 @@ from lightning_resilience.checkpoint import (
     ResumableDataLoader,
     Tier,
 )
-from lightning_resilience.config import CheckpointConfig, LocalTierConfig, MemoryTierConfig, RemoteTierConfig
+from lightning_resilience.config import (
+    CheckpointConfig,
+    DeltaLocalTierConfig,
+    LocalTierConfig,
+    MemoryTierConfig,
+    RemoteTierConfig,
+)
 from lightning_resilience.lightning import ResilientDDPStrategy, ResilientModelParallelStrategy, TieredCheckpoint
 
 __all__ = [
     "CheckpointConfig",
     "CheckpointCorruptError",
     "CheckpointManager",
+    "DeltaLocalTier",
+    "DeltaLocalTierConfig",
     "LocalTier",
     "LocalTierConfig",
     "MemoryTier",

@@ -1,6 +1,7 @@
 """Tiered checkpoint engine: host snapshots, tiers, on-disk format, background persist and collective restore."""
 
 from lightning_resilience.checkpoint.dataloader import ResumableDataLoader
+from lightning_resilience.checkpoint.delta_tier import DeltaLocalTier
 from lightning_resilience.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -19,6 +20,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointStats",
     "CheckpointWorkerError",
+    "DeltaLocalTier",
     "LocalTier",
     "MemoryTier",
     "NoValidCheckpointError",

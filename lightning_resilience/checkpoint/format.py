@@ -110,7 +110,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_synced(path: Path, data: bytes) -> None:
+def write_synced(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
@@ -141,7 +141,7 @@ def write_shard(
             if io_error is not None:
                 raise OSError(io_error.errno, io_error.strerror, io_error.filename) from err
             raise RuntimeError(f"{directory}: writing tensors failed: {err}") from err
-    _write_synced(directory / SKELETON, json.dumps(snap.skeleton, separators=(",", ":")).encode())
+    write_synced(directory / SKELETON, json.dumps(snap.skeleton, separators=(",", ":")).encode())
     files = {}
     for entry in sorted(directory.iterdir()):
         if entry.is_file():
@@ -157,7 +157,7 @@ def write_shard(
         versions={"lightning_resilience": __version__, "torch": torch.__version__, "python": platform.python_version()},
         created=time.time(),
     )
-    _write_synced(directory / MANIFEST, manifest.to_json().encode())
+    write_synced(directory / MANIFEST, manifest.to_json().encode())
     fsync_dir(directory)
     return manifest
 

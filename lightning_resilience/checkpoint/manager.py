@@ -227,7 +227,8 @@ class CheckpointManager:
                 except OSError as err:
                     results.append(_PersistResult(tier.name, snap.step, 0, time.perf_counter() - start, err))
                     continue
-                results.append(_PersistResult(tier.name, snap.step, snap.nbytes, time.perf_counter() - start))
+                written = getattr(tier, "last_write_bytes", 0) or snap.nbytes  # a delta tier writes less
+                results.append(_PersistResult(tier.name, snap.step, written, time.perf_counter() - start))
         finally:
             self._pool.release(slot)
         return results

@@ -6,11 +6,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
+from lightning_resilience.checkpoint.delta_tier import DeltaLocalTier
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.checkpoint.remote import RemoteTier
 
-__all__ = ["CheckpointConfig", "LocalTierConfig", "MemoryTierConfig", "RemoteTierConfig"]
+__all__ = ["CheckpointConfig", "DeltaLocalTierConfig", "LocalTierConfig", "MemoryTierConfig", "RemoteTierConfig"]
 
 _RESUME_WORDS = ("auto", "never")
 
@@ -58,6 +59,34 @@ class LocalTierConfig:
             keep=self.keep,
             name=self.name,
             verify_checksums=self.verify_checksums,
+        )
+
+
+@dataclass(kw_only=True)
+class DeltaLocalTierConfig(LocalTierConfig):
+    """Node-local disk tier storing most steps as XOR+zstd deltas against its newest full step."""
+
+    full_every: int = 10
+    """A full shard every this many writes; deltas against it in between (1: always full)."""
+    level: int = 3
+    """zstd level of delta shards (1-22), single-threaded."""
+    lossy_bits: int = 0
+    """0 = lossless. k > 0 drops the lowest k mantissa bits of float32 deltas (relative error < 2**(k-23)) and
+    breaks bitwise resume."""
+    cache_base: bool = True
+    """Hold the current base in host RAM (one training state) instead of re-reading it for every delta."""
+
+    def build(self) -> DeltaLocalTier:
+        return DeltaLocalTier(
+            self.path,
+            every_n_steps=self.every_n_steps,
+            keep=self.keep,
+            name=self.name,
+            verify_checksums=self.verify_checksums,
+            full_every=self.full_every,
+            level=self.level,
+            lossy_bits=self.lossy_bits,
+            cache_base=self.cache_base,
         )
 
 
