@@ -51,6 +51,8 @@ class CheckpointStats:
     capture_seconds: float = 0.0
     capture_seconds_max: float = 0.0
     last_capture_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    """Part of ``capture_seconds`` spent waiting for a background copy before an optimizer step."""
     state_bytes: int = 0
     host_bytes: int = 0
     tiers: dict[str, TierStats] = field(default_factory=dict)
@@ -193,8 +195,12 @@ class CheckpointManager:
         return bool(memory_due or persist_now)
 
     def wait_snapshot(self) -> None:
-        """Block (bounded) until the newest snapshot's background copy has landed."""
+        """Block (bounded) until the newest snapshot's background copy has landed; the wait counts as blocking."""
+        start = self._clock()
         self._pool.wait_inflight(self.config.snapshot_timeout)
+        waited = self._clock() - start
+        self.stats.capture_seconds += waited
+        self.stats.wait_seconds += waited
 
     def guard_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
         """Make ``optimizer.step`` wait for an in-flight snapshot copy of the tensors it is about to change.

@@ -115,6 +115,7 @@ class HostSnapshot:
         self._pin = pin_memory
         self._buffers: dict[str, torch.Tensor] = {}
         self._signature: tuple[Any, ...] = ()
+        self._nbytes = 0
         self._event: torch.cuda.Event | None = None
         self._job: _CopyJob | None = None
         self.step = -1
@@ -140,6 +141,7 @@ class HostSnapshot:
             else:
                 fresh[name] = torch.empty(spec.shape, dtype=spec.dtype, pin_memory=self._pin)
         self._buffers = fresh
+        self._nbytes = sum(b.numel() * b.element_size() for b in fresh.values())
         self.reallocations += 1
 
     def copy_from(
@@ -203,7 +205,7 @@ class HostSnapshot:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return self._nbytes  # summed once per layout: hundreds of buffers, read several times a step
 
 
 class SnapshotPool:

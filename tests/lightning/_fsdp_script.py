@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import Callback, Trainer
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
@@ -29,6 +30,16 @@ class ShardedGPT(TinyGPT):
         fully_shard(self, mesh=mesh)
 
 
+class DrainBefore(Callback):
+    def __init__(self, step: int, tiered: TieredCheckpoint) -> None:
+        self.step, self.tiered = step, tiered
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step and self.tiered.manager is not None:
+            self.tiered.manager.wait()
+            trainer.strategy.barrier("drain-before-crash")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt", type=Path)
@@ -49,6 +60,10 @@ def main() -> None:
     if args.ckpt is not None:
         callbacks.append(TieredCheckpoint([MemoryTier(1, 2), LocalTier(args.ckpt, every_n_steps=5, keep=2)]))
     if args.crash_at > 0:
+        if callbacks:
+            # both ranks commit the last persist before either crashes: once one rank dies the launcher kills the
+            # other, and this test is about resuming exactly (the drills cover a kill during a persist)
+            callbacks.append(DrainBefore(args.crash_at, callbacks[0]))
         callbacks.append(CrashAt(args.crash_at))
     strategy: Any = (
         ResilientDDPStrategy()

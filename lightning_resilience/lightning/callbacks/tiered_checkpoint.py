@@ -50,6 +50,7 @@ class TieredCheckpoint(Callback):
         self._last_step = -1
         self._pending_rng: dict[str, Any] | None = None
         self._guards: list[Any] = []
+        self._blocking_logged = 0.0
         self.restores = 0
 
     def __getstate__(self) -> dict[str, Any]:
@@ -116,9 +117,11 @@ class TieredCheckpoint(Callback):
         )
         if taken and trainer.loggers:
             stats = self.manager.stats
+            # everything that blocked training since the last log: this capture and the wait for the previous copy
+            blocked, self._blocking_logged = stats.capture_seconds - self._blocking_logged, stats.capture_seconds
             pl_module.log_dict(
                 {
-                    "resilience/checkpoint/blocking_ms": stats.last_capture_seconds * 1e3,
+                    "resilience/checkpoint/blocking_ms": blocked * 1e3,
                     "resilience/checkpoint/persist_failures": float(sum(t.failures for t in stats.tiers.values())),
                 },
                 on_step=True,

@@ -1,0 +1,199 @@
+"""Helpers shared by the benchmark modules: machine facts, robust summaries, ratios, JSON and Markdown output."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "REPO_ROOT",
+    "RESULTS_DIR",
+    "command_line",
+    "evict_page_cache",
+    "fmt_ms",
+    "fmt_pct",
+    "fmt_ratio",
+    "machine_info",
+    "md_table",
+    "now_iso",
+    "print_flush",
+    "ratio",
+    "summarize",
+    "target",
+    "write_json",
+]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def command_line(module: str, argv: Sequence[str]) -> str:
+    """The command that reproduces a run, as a user would type it from the repository root."""
+    return " ".join(["python", "-m", module, *(shlex.quote(a) for a in argv)]).strip()
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mem_total_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+    """Versions and hardware facts needed to read the figures (they are not portable across machines)."""
+    import torch
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "mem_total_gib": _mem_total_gib(),
+        "torch": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "cuda_available": torch.cuda.is_available(),
+        "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    try:
+        import lightning
+
+        info["lightning"] = lightning.__version__
+    except ImportError:  # pragma: no cover - lightning is a hard dependency of the suite
+        info["lightning"] = None
+    try:
+        from lightning_resilience import __version__ as lr_version
+
+        info["lightning_resilience"] = lr_version
+    except ImportError:  # pragma: no cover
+        info["lightning_resilience"] = None
+    return info
+
+
+def summarize(samples: Iterable[float]) -> dict[str, Any]:
+    """Median, mean, p90, min, max and the raw samples (seconds)."""
+    xs = [float(x) for x in samples]
+    if not xs:
+        return {"n": 0, "median_s": None, "mean_s": None, "p90_s": None, "min_s": None, "max_s": None, "samples_s": []}
+    ordered = sorted(xs)
+    p90 = ordered[min(len(ordered) - 1, max(0, math.ceil(0.9 * len(ordered)) - 1))]
+    return {
+        "n": len(xs),
+        "median_s": statistics.median(xs),
+        "mean_s": statistics.fmean(xs),
+        "p90_s": p90,
+        "min_s": ordered[0],
+        "max_s": ordered[-1],
+        "samples_s": xs,
+    }
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+def target(name: str, value: float | None, op: str, threshold: float, unit: str = "", note: str = "") -> dict[str, Any]:
+    """One goal with its verdict: ``op`` is ``">="`` or ``"<="``; a missing value is a MISS."""
+    if value is None:
+        ok = False
+    elif op == ">=":
+        ok = value >= threshold
+    elif op == "<=":
+        ok = value <= threshold
+    else:
+        raise ValueError(f"unknown comparison {op!r}")
+    return {
+        "name": name,
+        "value": value,
+        "op": op,
+        "threshold": threshold,
+        "unit": unit,
+        "verdict": "PASS" if ok else "MISS",
+        "note": note,
+    }
+
+
+def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def evict_page_cache(root: str | os.PathLike[str]) -> int:
+    """Ask the kernel to drop cached pages of every file under ``root`` (clean pages only; no root needed).
+
+    Returns the number of files advised. A hypervisor or a shared host cache may still serve the reads fast.
+    """
+    if not hasattr(os, "posix_fadvise"):
+        return 0
+    os.sync()
+    count = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                count += 1
+            finally:
+                os.close(fd)
+    return count
+
+
+def fmt_ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "n/a"
+    ms = seconds * 1e3
+    return f"{ms:.1f} ms" if ms >= 10 else f"{ms:.2f} ms"
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}x"
+
+
+def fmt_pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 100:.2f}%"
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(v: Any) -> str:
+        return str(v).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cell(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def print_flush(*args: Any) -> None:
+    print(*args, flush=True)
+    sys.stdout.flush()
