@@ -187,12 +187,30 @@ class CheckpointManager:
             self._pool.release(slot)
             self.stats.state_bytes = slot.nbytes
             self.stats.host_bytes = self._pool.host_bytes
-        elapsed = self._clock() - start
-        self.stats.captures += 1
+            self.stats.captures += 1
+        elapsed = self._clock() - start  # an agreement that only deferred a persist blocked too
         self.stats.capture_seconds += elapsed
         self.stats.last_capture_seconds = elapsed
         self.stats.capture_seconds_max = max(self.stats.capture_seconds_max, elapsed)
         return bool(memory_due or persist_now)
+
+    def flush(self, step: int, state: Callable[[], Any], meta: dict[str, Any] | None = None) -> None:
+        """Persist ``step`` to every persistent tier now and wait for it (end of training, before a planned stop).
+
+        Collective like :meth:`on_step`: every rank calls it with the same step.
+        """
+        if not self._persistent:
+            return
+        self.wait()
+        self._deferred = []
+        _, protect = self._agree(self._persistent)  # collective: before any rank-local early return
+        missing = [t for t in self._persistent if step not in t.list_steps()]
+        if not missing:
+            return
+        slot = self._pool.capture(step, flatten_state(state(), warn=log.warning), dict(meta or {}))
+        self._worker.submit(partial(self._persist, slot, missing, protect))  # takes over our slot reference
+        if not self.wait():
+            log.error("final persist of step %d did not finish within %s", step, self.config.drain_timeout)
 
     def wait_snapshot(self) -> None:
         """Block (bounded) until the newest snapshot's background copy has landed; the wait counts as blocking."""

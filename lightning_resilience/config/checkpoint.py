@@ -142,6 +142,8 @@ class CheckpointConfig:
     """A tier write that fails with an I/O error: log and count it and keep training, or stop."""
     max_host_copies: int = 0
     """Upper bound on host snapshot buffers; 0 picks RAM keep + 2 (enough that capture never waits)."""
+    persist_on_train_end: bool = True
+    """When training ends, persist the final step to every persistent tier (whatever the cadences) and wait."""
     overlap_copy: bool = True
     """On the CPU, copy parameters and optimizer state into the snapshot in the background while the next forward
     and backward run; the next optimizer step waits for it. Turn off if something other than the optimizer changes

@@ -21,7 +21,7 @@ def _run(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess[str
 
 
 def test_pretrain_gpt_recipe_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
-    """A first run persists checkpoints; a second run with more steps resumes from the newest one."""
+    """A first run persists checkpoints (its final step too); a second run with more steps resumes from it."""
     run_dir = tmp_path / "run"
     base = [sys.executable, "-m", "recipes.pretrain_gpt", f"run_dir={run_dir}", "checkpoint.tiers.1.every_n_steps=5"]
     first = _run([*base, "trainer.max_steps=12"])
@@ -31,7 +31,7 @@ def test_pretrain_gpt_recipe_trains_checkpoints_and_resumes(tmp_path: Path) -> N
     reports = [json.loads(line) for line in (run_dir / "report.jsonl").read_text().splitlines()]
     assert [r["final_step"] for r in reports] == [12, 16]
     assert reports[0]["restored_step"] is None
-    assert reports[1]["restored_step"] == 10 and reports[1]["restored_from"] == "local"
+    assert reports[1]["restored_step"] == 12 and reports[1]["restored_from"] == "local"
     assert cli_main(["verify", str(run_dir / "ckpt")]) == 0
 
 

@@ -131,6 +131,13 @@ class TieredCheckpoint(Callback):
             )
 
     @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.manager is not None and self.config.persist_on_train_end:
+            self.manager.flush(
+                trainer.global_step, lambda: dump_trainer_state(trainer), meta={"epoch": trainer.current_epoch}
+            )
+
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._shutdown()
 
