@@ -132,6 +132,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="pretrain_gpt")
 def main(cfg: DictConfig) -> None:
     run(cfg)
+    if torch.distributed.is_initialized():
+        # an explicit teardown: left to interpreter exit, gloo's threads can abort the process (SIGABRT)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

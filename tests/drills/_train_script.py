@@ -197,3 +197,6 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    if torch.distributed.is_initialized():
+        # an explicit teardown: left to interpreter exit, gloo's threads can abort the process (SIGABRT)
+        torch.distributed.destroy_process_group()

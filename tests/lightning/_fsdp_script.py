@@ -89,3 +89,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():
+        # an explicit teardown: left to interpreter exit, gloo's threads can abort the process (SIGABRT)
+        torch.distributed.destroy_process_group()

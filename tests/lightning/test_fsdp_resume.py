@@ -37,13 +37,17 @@ def test_crash_and_resume_is_bitwise_exact(tmp_path: Path, kind: str) -> None:
     ckpt = tmp_path / "ckpt"
     crashed = _torchrun(*flags, "--steps", "16", "--ckpt", str(ckpt), "--crash-at", "12")
     assert crashed.returncode != 0 and "injected crash at step 12" in crashed.stderr
+    committed = {
+        int(d.name.removeprefix("step_"))
+        for d in ckpt.glob("step_*")
+        if sorted(p.name for p in d.iterdir()) == ["rank_00000", "rank_00001"]
+    }
 
     resumed = _torchrun(*flags, "--steps", "16", "--ckpt", str(ckpt), "--out", str(tmp_path / "out.pt"), "--perturb")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     # the persist due at step 10 may be deferred a step by a busy worker on a loaded machine, never skipped
     restored = int(resumed.stdout.split("RESTORED_STEP=")[1].split()[0])
-    assert 10 <= restored < 12
-    assert sorted(p.name for p in (ckpt / f"step_{restored:012d}").iterdir()) == ["rank_00000", "rank_00001"]
+    assert 10 <= restored < 12 and restored in committed
 
     a = torch.load(tmp_path / "ref.pt", weights_only=True)
     b = torch.load(tmp_path / "out.pt", weights_only=True)
