@@ -101,7 +101,7 @@ def flatten_state(state: Any, *, warn: Callable[[str], None] | None = None) -> F
         name = path or "_root"
         if name in tensors:  # two containers can render to the same path only through the %2F escape
             name = f"{name}#{len(tensors)}"
-        tensors[name] = tensor.detach()
+        tensors[name] = tensor.detach() if tensor.requires_grad else tensor  # state dicts are detached already
         if ptr:
             seen[alias] = name
         return {"T": name}
