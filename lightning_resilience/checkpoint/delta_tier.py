@@ -16,31 +16,25 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
-import shutil
-import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import zstandard
 
-from lightning_resilience._version import __version__
 from lightning_resilience.checkpoint.delta import MAX_LOSSY_BITS, decode_delta, encode_delta
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.format import (
     MANIFEST,
     SKELETON,
-    Manifest,
     check_identity,
     checksum_file,
-    fsync_dir,
     read_manifest,
+    seal_shard,
     validate_shard,
     write_synced,
 )
-from lightning_resilience.checkpoint.local import LocalTier, step_dirname
+from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tier import TierIdentity
 from lightning_resilience.checkpoint.tree import TensorSpec
@@ -204,11 +198,8 @@ class DeltaLocalTier(LocalTier):
             entry["offset"] = offset
             offset += len(blobs[name])
         doc = {**meta, "base_step": base.step, "base_manifest_xxh3_64": base.manifest_digest}
-        step_dir = self.root / step_dirname(snap.step)
-        step_dir.mkdir(parents=True, exist_ok=True)
-        tmp = step_dir / f".{self._rank_name}.tmp-{uuid.uuid4().hex[:12]}"
-        final = step_dir / self._rank_name
-        try:
+
+        def fill(tmp: Path) -> None:
             tmp.mkdir(parents=False, exist_ok=False)
             with open(tmp / DELTA_BIN, "wb") as f:
                 for name in meta["tensors"]:
@@ -216,37 +207,17 @@ class DeltaLocalTier(LocalTier):
                 f.flush()
                 os.fsync(f.fileno())
             write_synced(tmp / DELTA_JSON, json.dumps(doc, separators=(",", ":")).encode())
-            write_synced(tmp / SKELETON, json.dumps(snap.skeleton, separators=(",", ":")).encode())
-            files = {
-                entry.name: {"size": entry.stat().st_size, "xxh3_64": checksum_file(entry)}
-                for entry in sorted(tmp.iterdir())
-                if entry.is_file()
-            }
-            manifest = Manifest(
-                step=snap.step,
+            seal_shard(
+                tmp,
+                snap,
+                meta={**snap.meta, DELTA_OF: base.step},
                 rank=self._identity.rank,
                 world_size=self._identity.world_size,
-                tensors=snap.specs(),
-                files=files,
-                rank_layout={"rank": self._identity.rank, "world_size": self._identity.world_size},
-                meta={**snap.meta, DELTA_OF: base.step},
-                versions={
-                    "lightning_resilience": __version__,
-                    "torch": torch.__version__,
-                    "python": platform.python_version(),
-                    "zstandard": zstandard.__version__,
-                },
-                created=time.time(),
+                rank_layout=self.rank_layout,
+                versions={"zstandard": zstandard.__version__},
             )
-            write_synced(tmp / MANIFEST, manifest.to_json().encode())  # last: it vouches for the files above
-            fsync_dir(tmp)
-            if final.exists():  # the same step written again (after a rollback): replace it whole
-                self._discard(final)
-            os.replace(tmp, final)
-            fsync_dir(step_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+        self._commit(snap.step, fill)
         self._deferred_deletes.discard(snap.step)
 
     # ----------------------------------------------------------------------------------------------- read

@@ -141,6 +141,21 @@ def write_shard(
             if io_error is not None:
                 raise OSError(io_error.errno, io_error.strerror, io_error.filename) from err
             raise RuntimeError(f"{directory}: writing tensors failed: {err}") from err
+    return seal_shard(directory, snap, meta=snap.meta, rank=rank, world_size=world_size, rank_layout=rank_layout)
+
+
+def seal_shard(
+    directory: Path,
+    snap: StagedSnapshot,
+    *,
+    meta: dict[str, Any],
+    rank: int,
+    world_size: int,
+    rank_layout: dict[str, Any] | None = None,
+    versions: dict[str, str] | None = None,
+) -> Manifest:
+    """Finish a shard whose data files are already in ``directory`` (fsynced): write the skeleton, checksum every
+    file, and write the manifest last, which vouches for them all."""
     write_synced(directory / SKELETON, json.dumps(snap.skeleton, separators=(",", ":")).encode())
     files = {}
     for entry in sorted(directory.iterdir()):
@@ -153,8 +168,13 @@ def write_shard(
         tensors=snap.specs(),
         files=files,
         rank_layout=dict(rank_layout or {}),
-        meta=dict(snap.meta),
-        versions={"lightning_resilience": __version__, "torch": torch.__version__, "python": platform.python_version()},
+        meta=dict(meta),
+        versions={
+            "lightning_resilience": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            **(versions or {}),
+        },
         created=time.time(),
     )
     write_synced(directory / MANIFEST, manifest.to_json().encode())

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
@@ -74,19 +75,27 @@ class LocalTier:
     def shard_dir(self, step: int) -> Path:
         return self.root / step_dirname(step) / self._rank_name
 
+    @property
+    def rank_layout(self) -> dict[str, int]:
+        return {"rank": self._identity.rank, "world_size": self._identity.world_size}
+
     def write(self, snap: StagedSnapshot) -> None:
-        step_dir = self.root / step_dirname(snap.step)
+        self._commit(
+            snap.step,
+            lambda tmp: write_shard(
+                tmp, snap, rank=self._identity.rank, world_size=self._identity.world_size, rank_layout=self.rank_layout
+            ),
+        )
+
+    def _commit(self, step: int, fill: Callable[[Path], object]) -> None:
+        """The commit protocol: ``fill`` writes a complete shard (manifest last) into a new private directory,
+        which then replaces the step's shard by one atomic rename; on any failure nothing is committed."""
+        step_dir = self.root / step_dirname(step)
         step_dir.mkdir(parents=True, exist_ok=True)
         tmp = step_dir / f".{self._rank_name}.tmp-{uuid.uuid4().hex[:12]}"
         final = step_dir / self._rank_name
         try:
-            write_shard(
-                tmp,
-                snap,
-                rank=self._identity.rank,
-                world_size=self._identity.world_size,
-                rank_layout={"rank": self._identity.rank, "world_size": self._identity.world_size},
-            )
+            fill(tmp)
             if final.exists():  # the same step written again (after a rollback): replace it whole
                 self._discard(final)
             os.replace(tmp, final)

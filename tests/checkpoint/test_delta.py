@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-import lightning_resilience.checkpoint.delta_tier as delta_module
+import lightning_resilience.checkpoint.format as format_module
 from lightning_resilience.checkpoint.delta import decode_delta, encode_delta
 from lightning_resilience.checkpoint.delta_tier import DELTA_BIN, DELTA_JSON, DELTA_OF, DeltaLocalTier
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
@@ -313,7 +313,7 @@ def test_failed_delta_write_commits_nothing(tmp_path: Path, monkeypatch: pytest.
     """A delta write that dies before the rename leaves no shard and no temporary; the next write succeeds."""
     tier = _tier(tmp_path, keep=100, full_every=4)
     tier.write(make_snapshot(1))
-    real = delta_module.fsync_dir
+    real = format_module.fsync_dir
     calls = {"n": 0}
 
     def dying_fsync(path: Path) -> None:
@@ -322,7 +322,7 @@ def test_failed_delta_write_commits_nothing(tmp_path: Path, monkeypatch: pytest.
             raise OSError(28, "No space left on device")
         real(path)
 
-    monkeypatch.setattr(delta_module, "fsync_dir", dying_fsync)
+    monkeypatch.setattr(format_module, "fsync_dir", dying_fsync)  # seal_shard's fsync of the sealed shard
     with pytest.raises(OSError):
         tier.write(make_snapshot(2))
     assert tier.list_steps() == [1]
