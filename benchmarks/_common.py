@@ -10,7 +10,7 @@ import platform
 import shlex
 import statistics
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -197,3 +197,79 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 def print_flush(*args: Any) -> None:
     print(*args, flush=True)
     sys.stdout.flush()
+
+
+class GPTWorkload:
+    """A TinyGPT trained by a plain loop on fixed random token batches: the state every benchmark checkpoints.
+
+    Args:
+        model_kwargs: TinyGPT keywords (``recipes._gpt.gpt_preset`` or a custom size).
+        batch_size: sequences per step.
+        seed: seeds the weights and the batches.
+        optimizer: ``"adamw"`` (the model's own AdamW + LR schedule) or ``"sgd"`` (plain SGD, no momentum).
+        trainable: which parameters train (by name); the others are frozen. None trains all.
+    """
+
+    def __init__(
+        self,
+        model_kwargs: dict[str, Any],
+        batch_size: int,
+        seed: int = 0,
+        *,
+        optimizer: str = "adamw",
+        trainable: Callable[[str], bool] | None = None,
+    ) -> None:
+        import torch
+
+        from recipes._gpt import TinyGPT
+
+        torch.manual_seed(seed)
+        self.model = TinyGPT(**model_kwargs)
+        self.model.train()
+        if trainable is not None:
+            for name, param in self.model.named_parameters():
+                param.requires_grad_(trainable(name))
+        self.sched: Any = None
+        if optimizer == "adamw":
+            conf = self.model.configure_optimizers()
+            self.opt: torch.optim.Optimizer = conf["optimizer"]
+            self.sched = conf["lr_scheduler"]["scheduler"]
+        elif optimizer == "sgd":
+            self.opt = torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=0.1, momentum=0.0)
+        else:
+            raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+        gen = torch.Generator().manual_seed(seed)
+        vocab, seq = model_kwargs["vocab_size"], model_kwargs["seq_len"]
+        self.batches = [torch.randint(vocab, (batch_size, seq + 1), generator=gen) for _ in range(8)]
+        self._i = 0
+
+    def step(self) -> float:
+        batch = self.batches[self._i % len(self.batches)]
+        self._i += 1
+        loss = self.model.compute_loss(batch)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.sched is not None:
+            self.sched.step()
+        return float(loss.detach())
+
+    def state(self) -> dict[str, Any]:
+        """Model, optimizer and (if any) LR scheduler state dicts: references, not copies."""
+        state: dict[str, Any] = {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+        if self.sched is not None:
+            state["sched"] = self.sched.state_dict()
+        return state
+
+    def snapshot(self, step: int) -> Any:
+        """What the engine's host snapshot would hold: the flattened state with its tensors copied."""
+        from lightning_resilience.checkpoint.snapshot import StagedSnapshot
+        from lightning_resilience.checkpoint.tree import flatten_state
+
+        flat = flatten_state(self.state())
+        return StagedSnapshot(step, flat.skeleton, {n: t.detach().clone() for n, t in flat.tensors.items()}, {})
+
+    def param_counts(self) -> tuple[int, int]:
+        """Trainable and total parameters."""
+        params = list(self.model.parameters())
+        return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)

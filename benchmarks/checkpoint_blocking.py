@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from benchmarks._common import (
+    GPTWorkload,
     command_line,
     evict_page_cache,
     fmt_ms,
@@ -80,34 +81,10 @@ pc = time.perf_counter
 
 
 # ---------------------------------------------------------------------------------------------------- workload
-class Workload:
-    """A TinyGPT with AdamW (and its LR schedule) trained by a plain loop on fixed random token batches."""
-
-    def __init__(self, model_kwargs: dict[str, Any], batch_size: int, seed: int = 0) -> None:
-        from recipes._gpt import TinyGPT
-
-        torch.manual_seed(seed)
-        self.model = TinyGPT(**model_kwargs)
-        self.model.train()
-        conf = self.model.configure_optimizers()
-        self.opt: torch.optim.Optimizer = conf["optimizer"]
-        self.sched = conf["lr_scheduler"]["scheduler"]
-        gen = torch.Generator().manual_seed(seed)
-        vocab, seq = model_kwargs["vocab_size"], model_kwargs["seq_len"]
-        self.batches = [torch.randint(vocab, (batch_size, seq + 1), generator=gen) for _ in range(8)]
-        self._i = 0
-
-    def step(self) -> None:
-        batch = self.batches[self._i % len(self.batches)]
-        self._i += 1
-        loss = self.model.compute_loss(batch)
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.sched.step()
+class Workload(GPTWorkload):
+    """The AdamW workload; every contender checkpoints model and optimizer state (the schedule is Python-only)."""
 
     def state(self) -> dict[str, Any]:
-        """The state every contender checkpoints: model and optimizer state dicts (references, not copies)."""
         return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
 
 

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from benchmarks._common import (
+    GPTWorkload,
     command_line,
     fmt_ms,
     fmt_ratio,
@@ -56,9 +57,7 @@ from benchmarks._common import (
 from lightning_resilience.checkpoint.delta import decode_delta, encode_delta
 from lightning_resilience.checkpoint.delta_tier import DELTA_JSON, DeltaLocalTier
 from lightning_resilience.checkpoint.local import LocalTier
-from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tier import TierIdentity
-from lightning_resilience.checkpoint.tree import flatten_state
 
 MODULE = "benchmarks.delta_checkpoint"
 DEFAULT_OUT = "benchmarks/results/delta.json"
@@ -92,54 +91,15 @@ SCENARIOS = (
 
 
 # ---------------------------------------------------------------------------------------------------- workload
-class Run:
-    """TinyGPT trained by a plain loop on fixed random token batches; the state is model + optimizer (+ LR)."""
+def make_run(scenario: Scenario, model_kwargs: dict[str, Any], batch_size: int, seed: int) -> GPTWorkload:
+    """TinyGPT trained by a plain loop on fixed random token batches, frozen and optimized as the scenario says."""
 
-    def __init__(self, scenario: Scenario, model_kwargs: dict[str, Any], batch_size: int, seed: int) -> None:
-        from recipes._gpt import TinyGPT
+    def trainable(name: str) -> bool:
+        if scenario.train_only:
+            return name.startswith(scenario.train_only)
+        return not (scenario.freeze and name.startswith(scenario.freeze))
 
-        torch.manual_seed(seed)
-        self.model = TinyGPT(**model_kwargs)
-        self.model.train()
-        for name, param in self.model.named_parameters():
-            frozen = name.startswith(scenario.freeze) if scenario.freeze else False
-            if scenario.train_only:
-                frozen = not name.startswith(scenario.train_only)
-            param.requires_grad_(not frozen)
-        self.sched: Any = None
-        if scenario.optimizer == "adamw":
-            conf = self.model.configure_optimizers()
-            self.opt: torch.optim.Optimizer = conf["optimizer"]
-            self.sched = conf["lr_scheduler"]["scheduler"]
-        else:
-            self.opt = torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=0.1, momentum=0.0)
-        gen = torch.Generator().manual_seed(seed)
-        vocab, seq = model_kwargs["vocab_size"], model_kwargs["seq_len"]
-        self.batches = [torch.randint(vocab, (batch_size, seq + 1), generator=gen) for _ in range(8)]
-        self._i = 0
-
-    def step(self) -> float:
-        batch = self.batches[self._i % len(self.batches)]
-        self._i += 1
-        loss = self.model.compute_loss(batch)
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        if self.sched is not None:
-            self.sched.step()
-        return float(loss.detach())
-
-    def snapshot(self, step: int) -> StagedSnapshot:
-        """What the engine's host snapshot would hold: flattened state, tensors copied."""
-        state: dict[str, Any] = {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
-        if self.sched is not None:
-            state["sched"] = self.sched.state_dict()
-        flat = flatten_state(state)
-        return StagedSnapshot(step, flat.skeleton, {n: t.detach().clone() for n, t in flat.tensors.items()}, {})
-
-    def param_counts(self) -> tuple[int, int]:
-        params = list(self.model.parameters())
-        return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+    return GPTWorkload(model_kwargs, batch_size, seed, optimizer=scenario.optimizer, trainable=trainable)
 
 
 def category(name: str) -> str:
@@ -210,7 +170,7 @@ def timed_reads(tier: LocalTier, step: int, reps: int) -> float:
 def run_scenario(
     scenario: Scenario, args: argparse.Namespace, model_kwargs: dict[str, Any], root: Path
 ) -> dict[str, Any]:
-    run = Run(scenario, model_kwargs, args.batch_size, args.seed)
+    run = make_run(scenario, model_kwargs, args.batch_size, args.seed)
     full_tier = LocalTier(root / f"{scenario.name}-full", every_n_steps=1, keep=2)
     delta_tier = DeltaLocalTier(
         root / f"{scenario.name}-delta", every_n_steps=1, keep=2, full_every=args.full_every, level=args.level

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from benchmarks._common import (
+    GPTWorkload,
     command_line,
     evict_page_cache,
     fmt_ms,
@@ -86,35 +87,14 @@ def model_kwargs_for(preset: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- workload
-class Workload:
+class Workload(GPTWorkload):
     """TinyGPT after a few AdamW steps: the state is model + optimizer + LR scheduler."""
 
     def __init__(self, model_kwargs: dict[str, Any], batch_size: int, train_steps: int, seed: int) -> None:
-        from recipes._gpt import TinyGPT
-
-        torch.manual_seed(seed)
-        self.model = TinyGPT(**model_kwargs)
-        self.model.train()
-        conf = self.model.configure_optimizers()
-        self.opt: torch.optim.Optimizer = conf["optimizer"]
-        self.sched = conf["lr_scheduler"]["scheduler"]
-        gen = torch.Generator().manual_seed(seed)
-        vocab, seq = model_kwargs["vocab_size"], model_kwargs["seq_len"]
+        super().__init__(model_kwargs, batch_size, seed)
         for _ in range(train_steps):  # populates the AdamW moments
-            batch = torch.randint(vocab, (batch_size, seq + 1), generator=gen)
-            self.model.compute_loss(batch).backward()
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            self.sched.step()
-        self.params = sum(p.numel() for p in self.model.parameters())
-
-    def state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optim": self.opt.state_dict(), "sched": self.sched.state_dict()}
-
-    def snapshot(self, step: int) -> StagedSnapshot:
-        """What the engine's host snapshot would hold: flattened state, tensors copied."""
-        flat = flatten_state(self.state())
-        return StagedSnapshot(step, flat.skeleton, {n: t.detach().clone() for n, t in flat.tensors.items()}, {})
+            self.step()
+        self.params = self.param_counts()[1]
 
 
 def check_same(restored: Any, reference: StagedSnapshot, where: str) -> None:
