@@ -119,6 +119,7 @@ class CheckpointManager:
         self._group: Any = None
         self.identity = TierIdentity()
         self.stats = CheckpointStats(tiers={t.name: TierStats() for t in self.tiers})
+        self._meta_providers: list[Callable[[int], dict[str, Any]]] = []
         self._closed = False
 
     # ------------------------------------------------------------------ setup
@@ -137,6 +138,23 @@ class CheckpointManager:
     @property
     def world_size(self) -> int:
         return self.identity.world_size
+
+    def add_meta_provider(self, provider: Callable[[int], dict[str, Any]]) -> None:
+        """Merge ``provider(step)`` into the metadata of every snapshot (it lands in each tier's manifest).
+
+        Other components record what they know about a step this way, e.g. whether it was verified clean.
+        """
+        self._meta_providers.append(provider)
+
+    def _meta(self, step: int, meta: dict[str, Any] | None) -> dict[str, Any]:
+        out = dict(meta or {})
+        for provider in self._meta_providers:
+            out.update(provider(step))
+        return out
+
+    def steps(self) -> dict[str, list[int]]:
+        """Committed steps of this rank, per tier (local view; restores agree across ranks)."""
+        return {t.name: t.list_steps() for t in self.tiers}
 
     # ------------------------------------------------------------- per step
     def on_step(
@@ -175,7 +193,7 @@ class CheckpointManager:
         if memory_due or persist_now:
             flat = flatten_state(state(), warn=log.warning)
             slot = self._pool.capture(
-                step, flat, dict(meta or {}), timeout=self.config.snapshot_timeout, overlap=overlap
+                step, flat, self._meta(step, meta), timeout=self.config.snapshot_timeout, overlap=overlap
             )
             for tier in memory_due:
                 self._pool.retain(slot)
@@ -207,10 +225,65 @@ class CheckpointManager:
         missing = [t for t in self._persistent if step not in t.list_steps()]
         if not missing:
             return
-        slot = self._pool.capture(step, flatten_state(state(), warn=log.warning), dict(meta or {}))
+        slot = self._pool.capture(step, flatten_state(state(), warn=log.warning), self._meta(step, meta))
         self._worker.submit(partial(self._persist, slot, missing, protect))  # takes over our slot reference
         if not self.wait():
             log.error("final persist of step %d did not finish within %s", step, self.config.drain_timeout)
+
+    def emergency_save(self, deadline: timedelta | None = None, *, collective: bool = False) -> int | None:
+        """Persist the newest RAM snapshot to the persistent tiers, fastest first, until ``deadline`` runs out.
+
+        For a preemption notice or an exception: the snapshot is the last state captured at a step boundary, not
+        the live (possibly half-updated) state. With ``collective=True`` every rank calls it (retention then keeps
+        the newest step committed everywhere); otherwise it is rank-local and deletes nothing.
+
+        Returns:
+            The step persisted to at least one tier (or already there), or None if there was nothing to save.
+        """
+        budget = deadline or self.config.drain_timeout
+        start = time.perf_counter()
+
+        def remaining() -> float:
+            return budget.total_seconds() - (time.perf_counter() - start)
+
+        self.wait_snapshot()
+        if not self._worker.wait_idle(timedelta(seconds=max(remaining(), 0.0))):
+            log.error("emergency save: the running persist did not finish in time; nothing more written")
+            return None
+        self.collect()
+        protect: dict[str, int | None] = {}
+        if collective:
+            _, protect = self._agree(self._persistent)
+        held = [(s, t) for t in self._memory for s in t.list_steps()]
+        if not held:
+            log.warning("emergency save: no snapshot in RAM to save")
+            return None
+        step, tier = max(held, key=lambda x: x[0])
+        saved = False
+        snap = None
+        for target in self._persistent:
+            if step in target.list_steps():
+                saved = True
+                continue
+            if remaining() <= 0:
+                log.error("emergency save: deadline reached before tier %r got step %d", target.name, step)
+                break
+            t0 = time.perf_counter()
+            try:
+                snap = snap or tier.read(step)
+                target.write(snap)
+                if collective:
+                    self._apply_retention(target, protect.get(target.name))
+            except (OSError, CheckpointCorruptError) as err:
+                self.stats.tiers[target.name].failures += 1
+                self.stats.tiers[target.name].last_error = f"{type(err).__name__}: {err}"
+                log.error("emergency save of step %d to tier %r failed: %s", step, target.name, err)
+                continue
+            written = getattr(target, "last_write_bytes", 0) or snap.nbytes
+            self._record_write(target.name, step, written, time.perf_counter() - t0)
+            saved = True
+            log.warning("emergency save: step %d committed to tier %r", step, target.name)
+        return step if saved else None
 
     def wait_snapshot(self) -> None:
         """Block (bounded) until the newest snapshot's background copy has landed; the wait counts as blocking."""
@@ -303,13 +376,20 @@ class CheckpointManager:
         return idle
 
     # ---------------------------------------------------------------- restore
-    def restore(self, step: int | None = None, *, rebuild_dtensor: DTensorRebuilder | None = None) -> Restored | None:
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        max_step: int | None = None,
+        rebuild_dtensor: DTensorRebuilder | None = None,
+    ) -> Restored | None:
         """Collectively pick and load the newest step that every rank can load (or exactly ``step``).
 
         Each rank lists committed steps in all its tiers; the candidates are the steps every rank has. From the
         newest down, every rank loads and validates its shard from its fastest tier that has one; the step is
         taken only if all ranks succeeded. A corrupt or partial shard is skipped with a warning naming it.
-        ``rebuild_dtensor`` turns saved local shards back into DTensors (sharded strategies only).
+        ``max_step`` bounds the choice (a rollback to a step known to be good). ``rebuild_dtensor`` turns saved
+        local shards back into DTensors (sharded strategies only).
 
         Raises:
             NoValidCheckpointError: ``step`` was requested but is not loadable everywhere, or nothing valid was
@@ -330,6 +410,8 @@ class CheckpointManager:
         anything = any(gathered)
         if step is not None:
             common &= {step}
+        if max_step is not None:
+            common = {s for s in common if s <= max_step}
         for candidate in sorted(common, reverse=True):
             snap, source = None, ""
             for tier in where[candidate]:

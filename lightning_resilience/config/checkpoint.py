@@ -148,6 +148,12 @@ class CheckpointConfig:
     """On the CPU, copy parameters and optimizer state into the snapshot in the background while the next forward
     and backward run; the next optimizer step waits for it. Turn off if something other than the optimizer changes
     parameters between steps (an in-place weight edit in a callback)."""
+    save_on_exception: bool = True
+    """When training raises, persist the newest RAM snapshot (the last state captured at a step boundary, not the
+    possibly broken live state) to the persistent tiers before the exception propagates. Rank-local: no collective
+    runs, since other ranks may be stuck or gone."""
+    emergency_timeout_s: float = 120.0
+    """Time allowed to an emergency save (exception, preemption notice); slower tiers are skipped once it runs out."""
     drain_timeout_s: float = 600.0
     """Longest wait for the in-flight persist at teardown."""
     snapshot_timeout_s: float = 60.0
@@ -162,7 +168,7 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.on_persist_error must be 'warn' or 'raise', got {self.on_persist_error!r}")
         if self.max_host_copies != 0 and self.max_host_copies < 2:
             raise ValueError(f"checkpoint.max_host_copies must be 0 (auto) or >= 2, got {self.max_host_copies}")
-        for key in ("drain_timeout_s", "snapshot_timeout_s"):
+        for key in ("drain_timeout_s", "snapshot_timeout_s", "emergency_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"checkpoint.{key} must be > 0, got {getattr(self, key)}")
 
@@ -177,3 +183,7 @@ class CheckpointConfig:
     @property
     def snapshot_timeout(self) -> timedelta:
         return timedelta(seconds=self.snapshot_timeout_s)
+
+    @property
+    def emergency_timeout(self) -> timedelta:
+        return timedelta(seconds=self.emergency_timeout_s)

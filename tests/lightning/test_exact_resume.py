@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_resilience import LocalTier, MemoryTier, TieredCheckpoint
+from lightning_resilience import CheckpointConfig, LocalTier, MemoryTier, TieredCheckpoint
 from tests.lightning._training import CrashAt, assert_bitwise_equal, build, trainer, weights
 
 STEPS = 30
@@ -54,3 +54,26 @@ def test_resume_never_starts_fresh(tmp_path: Path) -> None:
     t.fit(model, datamodule=data)
     assert cb.stats.restored_step is None
     assert t.global_step == 3
+
+
+def test_exception_saves_the_newest_ram_snapshot(tmp_path: Path, reference: dict) -> None:
+    """A crash between disk cadences loses nothing: the step snapshotted before it is saved from RAM."""
+    model, data = build()
+    tiers = [MemoryTier(every_n_steps=1, keep=2), LocalTier(tmp_path, every_n_steps=100, keep=2)]
+    with pytest.raises(RuntimeError, match="injected crash"):
+        trainer(STEPS, [TieredCheckpoint(tiers), CrashAt(13)]).fit(model, datamodule=data)
+
+    model, data = build(seed=99)
+    cb = TieredCheckpoint([LocalTier(tmp_path, every_n_steps=100, keep=2)])
+    trainer(STEPS, [cb]).fit(model, datamodule=data)
+    assert (cb.stats.restored_step, cb.stats.restored_from) == (13, "local")
+    assert_bitwise_equal(weights(model), reference)
+
+
+def test_exception_save_can_be_turned_off(tmp_path: Path) -> None:
+    model, data = build()
+    tiers = [MemoryTier(every_n_steps=1, keep=2), LocalTier(tmp_path, every_n_steps=100, keep=2)]
+    cb = TieredCheckpoint(tiers, config=CheckpointConfig(save_on_exception=False))
+    with pytest.raises(RuntimeError, match="injected crash"):
+        trainer(STEPS, [cb, CrashAt(13)]).fit(model, datamodule=data)
+    assert tiers[1].list_steps() == []

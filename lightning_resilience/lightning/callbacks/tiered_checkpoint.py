@@ -139,7 +139,20 @@ class TieredCheckpoint(Callback):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if self.manager is not None and self.config.save_on_exception:
+            try:
+                saved = self.manager.emergency_save(self.config.emergency_timeout)
+                if saved is not None:
+                    log.warning("training raised %s: step %d saved from RAM", type(exception).__name__, saved)
+            except Exception as err:  # the training exception is what the user must see
+                log.error("emergency save after %s failed: %s", type(exception).__name__, err)
         self._shutdown()
+
+    def emergency_save(self, collective: bool = True) -> int | None:
+        """Persist the newest RAM snapshot now (a preemption notice agreed by all ranks); returns its step."""
+        if self.manager is None:
+            return None
+        return self.manager.emergency_save(self.config.emergency_timeout, collective=collective)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
