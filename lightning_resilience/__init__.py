@@ -8,6 +8,7 @@ from lightning_resilience.checkpoint import (
     LocalTier,
     MemoryTier,
     NoValidCheckpointError,
+    PeerTier,
     RemoteTier,
     ResumableDataLoader,
     Tier,
@@ -17,6 +18,7 @@ from lightning_resilience.config import (
     DeltaLocalTierConfig,
     LocalTierConfig,
     MemoryTierConfig,
+    PeerTierConfig,
     RemoteTierConfig,
 )
 from lightning_resilience.lightning import ResilientDDPStrategy, ResilientModelParallelStrategy, TieredCheckpoint
@@ -32,6 +34,8 @@ __all__ = [
     "MemoryTier",
     "MemoryTierConfig",
     "NoValidCheckpointError",
+    "PeerTier",
+    "PeerTierConfig",
     "RemoteTier",
     "RemoteTierConfig",
     "ResilientDDPStrategy",

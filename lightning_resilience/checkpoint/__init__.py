@@ -12,6 +12,7 @@ from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.manager import CheckpointManager, CheckpointStats, Restored
 from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.checkpoint.remote import RemoteTier, RemoteTierError
+from lightning_resilience.checkpoint.replication import PeerTier
 from lightning_resilience.checkpoint.tier import Tier
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "LocalTier",
     "MemoryTier",
     "NoValidCheckpointError",
+    "PeerTier",
     "RemoteTier",
     "RemoteTierError",
     "ResumableDataLoader",

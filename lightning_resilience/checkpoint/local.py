@@ -87,13 +87,15 @@ class LocalTier:
             ),
         )
 
-    def _commit(self, step: int, fill: Callable[[Path], object]) -> None:
+    def _commit(self, step: int, fill: Callable[[Path], object], rank_name: str | None = None) -> None:
         """The commit protocol: ``fill`` writes a complete shard (manifest last) into a new private directory,
-        which then replaces the step's shard by one atomic rename; on any failure nothing is committed."""
+        which then replaces the step's shard by one atomic rename; on any failure nothing is committed.
+        ``rank_name`` commits another rank's shard (a replica held for a peer)."""
+        rank_name = rank_name or self._rank_name
         step_dir = self.root / step_dirname(step)
         step_dir.mkdir(parents=True, exist_ok=True)
-        tmp = step_dir / f".{self._rank_name}.tmp-{uuid.uuid4().hex[:12]}"
-        final = step_dir / self._rank_name
+        tmp = step_dir / f".{rank_name}.tmp-{uuid.uuid4().hex[:12]}"
+        final = step_dir / rank_name
         try:
             fill(tmp)
             if final.exists():  # the same step written again (after a rollback): replace it whole

@@ -401,6 +401,15 @@ class CheckpointManager:
             raise CheckpointWorkerError(f"persist still running after {self.config.drain_timeout}; cannot restore")
         self.collect()
         start = self._clock()
+        for tier in self.tiers:
+            prepare = getattr(tier, "prepare_restore", None)  # collective: e.g. fetch shards held by peers
+            if prepare is not None:
+                try:
+                    prepare()
+                except (OSError, RuntimeError, CheckpointCorruptError) as err:
+                    msg = f"tier {tier.name!r} could not prepare its copies for restore: {err}"
+                    log.warning(msg)
+                    self.stats.skipped_corrupt.append(msg)
         where: dict[int, list[Tier]] = {}
         for tier in self.tiers:
             for s in tier.list_steps():

@@ -5,7 +5,15 @@ from lightning_resilience.config.checkpoint import (
     DeltaLocalTierConfig,
     LocalTierConfig,
     MemoryTierConfig,
+    PeerTierConfig,
     RemoteTierConfig,
 )
 
-__all__ = ["CheckpointConfig", "DeltaLocalTierConfig", "LocalTierConfig", "MemoryTierConfig", "RemoteTierConfig"]
+__all__ = [
+    "CheckpointConfig",
+    "DeltaLocalTierConfig",
+    "LocalTierConfig",
+    "MemoryTierConfig",
+    "PeerTierConfig",
+    "RemoteTierConfig",
+]

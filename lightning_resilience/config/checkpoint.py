@@ -10,8 +10,16 @@ from lightning_resilience.checkpoint.delta_tier import DeltaLocalTier
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.checkpoint.remote import RemoteTier
+from lightning_resilience.checkpoint.replication import PeerTier
 
-__all__ = ["CheckpointConfig", "DeltaLocalTierConfig", "LocalTierConfig", "MemoryTierConfig", "RemoteTierConfig"]
+__all__ = [
+    "CheckpointConfig",
+    "DeltaLocalTierConfig",
+    "LocalTierConfig",
+    "MemoryTierConfig",
+    "PeerTierConfig",
+    "RemoteTierConfig",
+]
 
 _RESUME_WORDS = ("auto", "never")
 
@@ -58,6 +66,43 @@ class LocalTierConfig:
             every_n_steps=self.every_n_steps,
             keep=self.keep,
             name=self.name,
+            verify_checksums=self.verify_checksums,
+        )
+
+
+@dataclass(kw_only=True)
+class PeerTierConfig:
+    """Node-local RAM (tmpfs) copies, replicated to peer ranks on other nodes: survives the loss of a node."""
+
+    path: str | None = None
+    """Node-local tmpfs directory ('{node}' becomes the node index); default /dev/shm/lightning_resilience/<run id>."""
+    every_n_steps: int = 1
+    """Replication cadence in optimizer steps (each sends one shard per replica over the network)."""
+    keep: int = 2
+    """Committed steps retained (own shards and the replicas held for peers)."""
+    replicas: int = 1
+    """Peer copies of each rank's shard, each on a different other node (capped at nodes - 1)."""
+    ranks_per_node: int | None = None
+    """Ranks per node (failure domain); default LOCAL_WORLD_SIZE as set by torchrun."""
+    timeout_s: float = 300.0
+    """Bound on one shard transfer between two peers."""
+    name: str = "peer"
+    """Label in logs, metrics and the report."""
+    verify_checksums: bool = True
+    """Recompute checksums on read before trusting a shard."""
+
+    def __post_init__(self) -> None:
+        self.build()
+
+    def build(self) -> PeerTier:
+        return PeerTier(
+            self.path,
+            every_n_steps=self.every_n_steps,
+            keep=self.keep,
+            name=self.name,
+            replicas=self.replicas,
+            ranks_per_node=self.ranks_per_node,
+            timeout_s=self.timeout_s,
             verify_checksums=self.verify_checksums,
         )
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_resilience.checkpoint.standalone import (
@@ -28,6 +29,17 @@ class ResilientDDPStrategy(DDPStrategy):
     """
 
     strategy_name = "resilient_ddp"
+
+    @override
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        # Lightning registers ``ddp_comm_hook`` on CUDA only; gloo runs communication hooks too, and CPU jobs need
+        # them as much (e.g. ``ordered_allreduce_hook`` for a bitwise exact resume with three or more ranks)
+        if self.root_device.type != "cuda" and self._ddp_comm_hook is not None:
+            if self._ddp_comm_wrapper is not None:
+                raise ValueError("ResilientDDPStrategy: ddp_comm_wrapper (gradient compression) needs CUDA")
+            assert isinstance(self.model, DistributedDataParallel)
+            self.model.register_comm_hook(state=self._ddp_comm_state, hook=self._ddp_comm_hook)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:

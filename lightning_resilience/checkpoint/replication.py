@@ -1,0 +1,339 @@
+"""PeerTier: snapshots in node-local RAM (tmpfs), each also held by peer ranks on other nodes.
+
+A node loss takes its processes, their memory and their local disk; Gemini-style replication keeps every rank's
+newest checkpoints in the RAM of ``replicas`` other nodes, so the lost ranks restore from their peers instead of an
+older copy on remote storage.
+
+The copies live in a node-local tmpfs directory (``/dev/shm`` by default), not in the worker processes:
+``torchrun`` (and NVRx's launcher) restart *every* worker of the job when one fails, so RAM inside the workers
+would be gone after any restart. A file in tmpfs outlives the worker and dies with the node, which is exactly the
+failure a peer copy must cover.
+
+Layout in each node's directory (the :class:`LocalTier` layout; a node holds its own ranks' shards and the
+replicas it keeps for peers side by side)::
+
+    <path>/step_000000000120/rank_00000/     committed by rank 0 (its own shard)
+    <path>/step_000000000120/rank_00002/     rank 2's shard, received from rank 2 on the other node
+
+Placement is a ring over nodes: rank ``r`` sends its shard to ``(r + k * ranks_per_node) % world`` for
+``k = 1..replicas``, i.e. the same local rank on each of the next ``replicas`` nodes. Shards travel as the
+committed files (manifest included) over a dedicated gloo group from the persist worker thread, so the transfer
+overlaps training and never interleaves with the training collectives; the receiver commits them with the same
+atomic protocol as its own. Before a restore, :meth:`PeerTier.prepare_restore` (collective) finds the newest step
+of which some surviving node holds every rank's shard and sends each missing shard to its owner.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_resilience.checkpoint.errors import CheckpointCorruptError
+from lightning_resilience.checkpoint.format import MANIFEST, write_synced
+from lightning_resilience.checkpoint.local import LocalTier, step_dirname
+from lightning_resilience.checkpoint.snapshot import StagedSnapshot
+from lightning_resilience.checkpoint.tier import TierIdentity
+
+__all__ = ["PeerTier", "ReplicaPlacement", "default_peer_path"]
+
+log = logging.getLogger(__name__)
+_RANK_RE = re.compile(r"^rank_(\d{5})$")
+_STEP_RE = re.compile(r"^step_(\d{12})$")
+
+
+def default_peer_path() -> str:
+    """Node-local tmpfs, one directory per job (``TORCHELASTIC_RUN_ID`` keeps concurrent jobs apart)."""
+    return f"/dev/shm/lightning_resilience/{os.environ.get('TORCHELASTIC_RUN_ID', 'default')}"
+
+
+class ReplicaPlacement:
+    """Which ranks hold whose shards: a ring over nodes of ``ranks_per_node`` consecutive ranks (torchrun's order).
+
+    Args:
+        world_size: ranks in the job.
+        ranks_per_node: ranks sharing one node (and so one failure domain).
+        replicas: peer copies of each shard, each on a different other node.
+    """
+
+    def __init__(self, world_size: int, ranks_per_node: int, replicas: int) -> None:
+        if ranks_per_node < 1 or world_size % ranks_per_node:
+            raise ValueError(f"tiers.peer.ranks_per_node must divide the world size {world_size}, got {ranks_per_node}")
+        self.world_size = world_size
+        self.ranks_per_node = ranks_per_node
+        self.num_nodes = world_size // ranks_per_node
+        self.replicas = min(replicas, self.num_nodes - 1)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def targets(self, rank: int) -> list[int]:
+        """Ranks that hold a copy of ``rank``'s shard."""
+        return [(rank + k * self.ranks_per_node) % self.world_size for k in range(1, self.replicas + 1)]
+
+    def sources(self, rank: int) -> list[int]:
+        """Ranks whose shards ``rank`` holds, in the same order as :meth:`targets` (k = 1, 2, ...)."""
+        return [(rank - k * self.ranks_per_node) % self.world_size for k in range(1, self.replicas + 1)]
+
+
+class PeerTier(LocalTier):
+    """Node-local RAM copies of every rank's shard, replicated to peers on other nodes.
+
+    Args:
+        path: node-local directory, on tmpfs for RAM speed; ``{node}`` in it is replaced by the node index (lets
+            one machine stand in for several nodes in drills). Default: ``/dev/shm/lightning_resilience/<run id>``.
+        every_n_steps: replication cadence (each replication sends one full shard per replica over the network).
+        keep: committed steps retained, own and held alike.
+        replicas: peer copies of each shard, on that many other nodes (capped at nodes - 1).
+        ranks_per_node: ranks per node; default ``LOCAL_WORLD_SIZE`` as set by torchrun.
+        timeout_s: bound on one transfer between two peers.
+        verify_checksums: recompute file checksums on read.
+    """
+
+    durability = 1
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        every_n_steps: int = 1,
+        keep: int = 2,
+        name: str = "peer",
+        replicas: int = 1,
+        ranks_per_node: int | None = None,
+        timeout_s: float = 300.0,
+        verify_checksums: bool = True,
+    ) -> None:
+        if replicas < 0:
+            raise ValueError(f"tiers.{name}.replicas must be >= 0, got {replicas}")
+        if ranks_per_node is not None and ranks_per_node < 1:
+            raise ValueError(f"tiers.{name}.ranks_per_node must be >= 1, got {ranks_per_node}")
+        if timeout_s <= 0:
+            raise ValueError(f"tiers.{name}.timeout_s must be > 0, got {timeout_s}")
+        self.path_template = str(path) if path is not None else default_peer_path()
+        super().__init__(
+            self.path_template, every_n_steps=every_n_steps, keep=keep, name=name, verify_checksums=verify_checksums
+        )
+        self.replicas = replicas
+        self.ranks_per_node = ranks_per_node
+        self.timeout = timedelta(seconds=timeout_s)
+        self.placement = ReplicaPlacement(1, 1, 0)
+        self._group: Any = None
+        self.sent_bytes = 0
+        self.received_bytes = 0
+        self.recovered: list[tuple[int, int, int]] = []
+        """(step, owner rank, holder rank) of every shard fetched from a peer by :meth:`prepare_restore`."""
+
+    def __repr__(self) -> str:
+        return (
+            f"PeerTier({self.path_template!r}, every_n_steps={self.every_n_steps}, keep={self.keep}, "
+            f"replicas={self.replicas})"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_group"] = None  # a process group belongs to the process that made it
+        return state
+
+    def bind(self, identity: TierIdentity) -> None:
+        """Resolve this node's directory and, when distributed, create the transfer group (collective)."""
+        per_node = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", identity.world_size))
+        if identity.world_size % per_node:
+            per_node = identity.world_size  # an uneven job: treat it as one node, with nothing to replicate to
+        self.placement = ReplicaPlacement(identity.world_size, per_node, self.replicas)
+        self.root = Path(self.path_template.format(node=self.placement.node_of(identity.rank))).expanduser()
+        if self.replicas and self.placement.replicas < self.replicas:
+            log.warning(
+                "tiers.%s.replicas=%d but the job spans %d node(s): keeping %d peer copies",
+                self.name,
+                self.replicas,
+                self.placement.num_nodes,
+                self.placement.replicas,
+            )
+        if identity.world_size > 1 and dist.is_available() and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+        super().bind(identity)
+        for source in self.placement.sources(identity.rank):
+            self._remove_stale(f"rank_{source:05d}")
+
+    # ------------------------------------------------------------------ write
+    def write(self, snap: StagedSnapshot) -> None:
+        """Commit our shard in node RAM, then exchange shards with our ring neighbours (every rank, same step)."""
+        error: OSError | None = None
+        try:
+            super().write(snap)
+        except OSError as err:
+            error = err  # still take part in the exchange: the partner must not wait for a shard that never comes
+        if self._group is not None:
+            me = self._identity.rank
+            payload = None if error else self._packed(snap.step, me)
+            for target, source in zip(self.placement.targets(me), self.placement.sources(me)):
+                received = self._exchange(snap.step, payload, target, source)
+                if received is not None:
+                    self._commit_replica(snap.step, source, received)
+        if error is not None:
+            raise error
+
+    def _exchange(self, step: int, payload: bytes | None, target: int, source: int) -> bytes | None:
+        """Send our shard to ``target`` while receiving ``source``'s; None if the source had nothing to send."""
+        header = torch.tensor([step, -1 if payload is None else len(payload)], dtype=torch.int64)
+        pending = [dist.isend(header, target, group=self._group)]
+        if payload is not None:
+            pending.append(
+                dist.isend(torch.frombuffer(bytearray(payload), dtype=torch.uint8), target, group=self._group)
+            )
+            self.sent_bytes += len(payload)
+        incoming = torch.empty(2, dtype=torch.int64)
+        dist.recv(incoming, source, group=self._group)
+        got_step, size = int(incoming[0]), int(incoming[1])
+        data = None
+        if size >= 0:
+            buf = torch.empty(size, dtype=torch.uint8)
+            dist.recv(buf, source, group=self._group)
+            data = buf.numpy().tobytes()
+            self.received_bytes += size
+        for work in pending:
+            if work is not None:
+                work.wait()
+        if got_step != step:
+            raise OSError(f"peer rank {source} sent step {got_step} while step {step} was being replicated")
+        return data
+
+    def _commit_replica(self, step: int, owner: int, payload: bytes) -> None:
+        self._commit(step, lambda tmp: _unpack(payload, tmp), rank_name=f"rank_{owner:05d}")
+
+    # --------------------------------------------------------------- retention
+    def delete(self, step: int) -> None:
+        """Remove our shard of ``step`` and the replicas we hold for it (retention is agreed by all ranks)."""
+        for source in self.placement.sources(self._identity.rank):
+            shard = self.root / step_dirname(step) / f"rank_{source:05d}"
+            if shard.exists():
+                self._discard(shard)
+        super().delete(step)
+
+    def _remove_stale(self, rank_name: str) -> None:
+        if not self.root.is_dir():
+            return
+        for step_dir in self.root.iterdir():
+            if _STEP_RE.match(step_dir.name) and step_dir.is_dir():
+                for entry in step_dir.iterdir():
+                    if entry.name.startswith((f".{rank_name}.tmp-", f".{rank_name}.del-")):
+                        shutil.rmtree(entry, ignore_errors=True)
+
+    # ----------------------------------------------------------------- restore
+    def inventory(self) -> dict[int, list[int]]:
+        """Committed shards in this node's directory: owner rank -> steps."""
+        held: dict[int, list[int]] = {}
+        if not self.root.is_dir():
+            return held
+        for step_dir in self.root.iterdir():
+            step_match = _STEP_RE.match(step_dir.name)
+            if not step_match or not step_dir.is_dir():
+                continue
+            for shard in step_dir.iterdir():
+                rank_match = _RANK_RE.match(shard.name)
+                if rank_match and (shard / MANIFEST).is_file():
+                    held.setdefault(int(rank_match.group(1)), []).append(int(step_match.group(1)))
+        return {owner: sorted(steps) for owner, steps in held.items()}
+
+    def prepare_restore(self) -> list[int]:
+        """Collective: bring every rank its shards of the steps that the surviving nodes hold in full.
+
+        Every rank reports what its node holds; for each step of which every rank's shard is held somewhere
+        (newest first), each rank whose node lacks its own shard receives it from the lowest-ranked holder.
+        Returns those steps. A shard that fails to arrive, or arrives corrupt, leaves its step unloadable for
+        that rank, and the collective restore falls back to an older step or another tier.
+        """
+        if self._group is None:
+            return []
+        world = self._identity.world_size
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, self.inventory(), group=self._group)
+        holders: dict[tuple[int, int], list[int]] = {}
+        for rank, held in enumerate(gathered):
+            for owner, steps in held.items():
+                for step in steps:
+                    holders.setdefault((owner, step), []).append(rank)
+        complete = sorted(
+            (s for s in {s for (_, s) in holders} if all((owner, s) in holders for owner in range(world))),
+            reverse=True,
+        )
+        me = self._identity.rank
+        for step in complete:
+            for owner in range(world):
+                if step in gathered[owner].get(owner, []):
+                    continue  # its own node still has it
+                holder = min(holders[(owner, step)])
+                if me == holder:
+                    self._send_shard(self._packed(step, owner), owner)
+                elif me == owner:
+                    payload = self._recv_shard(holder)
+                    if payload is None:
+                        log.warning("rank %d: peer rank %d could not send the shard of step %d", me, holder, step)
+                        continue
+                    try:  # keep pairing the remaining transfers whatever happens to this one
+                        self._commit_replica(step, owner, payload)
+                    except OSError as err:
+                        log.warning("rank %d: shard of step %d from peer rank %d not kept: %s", me, step, holder, err)
+                        continue
+                    self.recovered.append((step, owner, holder))
+                    log.warning("rank %d: shard of step %d recovered from peer rank %d", owner, step, holder)
+        return complete
+
+    def _packed(self, step: int, owner: int) -> bytes | None:
+        try:
+            return _pack(self.root / step_dirname(step) / f"rank_{owner:05d}")
+        except (OSError, CheckpointCorruptError) as err:
+            log.warning("cannot send the shard of rank %d step %d: %s", owner, step, err)
+            return None
+
+    def _send_shard(self, payload: bytes | None, dst: int) -> None:
+        dist.send(torch.tensor([-1 if payload is None else len(payload)], dtype=torch.int64), dst, group=self._group)
+        if payload is not None:
+            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst, group=self._group)
+            self.sent_bytes += len(payload)
+
+    def _recv_shard(self, src: int) -> bytes | None:
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, src, group=self._group)
+        if int(size.item()) < 0:
+            return None
+        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(buf, src, group=self._group)
+        self.received_bytes += buf.numel()
+        return buf.numpy().tobytes()
+
+
+def _pack(shard: Path) -> bytes:
+    """A committed shard's files as one buffer: a JSON index, then the bytes of each file, the manifest last."""
+    names = sorted((p.name for p in shard.iterdir() if p.is_file()), key=lambda n: (n == MANIFEST, n))
+    if MANIFEST not in names:
+        raise CheckpointCorruptError(f"{shard}: not committed, nothing to replicate")
+    blobs = [(shard / n).read_bytes() for n in names]
+    index = json.dumps([[n, len(b)] for n, b in zip(names, blobs)]).encode()
+    return b"".join([len(index).to_bytes(8, "little"), index, *blobs])
+
+
+def _unpack(payload: bytes, directory: Path) -> None:
+    """Write a packed shard into a new private directory (the manifest last, every file fsynced)."""
+    try:
+        size = int.from_bytes(payload[:8], "little")
+        index = json.loads(payload[8 : 8 + size])
+    except (ValueError, UnicodeDecodeError) as err:
+        raise OSError(f"malformed replica received ({err})") from err
+    directory.mkdir(parents=True, exist_ok=False)
+    offset = 8 + size
+    for name, length in index:
+        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+            raise OSError(f"replica names an unsafe file {name!r}")
+        write_synced(directory / name, payload[offset : offset + int(length)])
+        offset += int(length)
+    if offset != len(payload):
+        raise OSError(f"replica is {len(payload)} bytes, its index accounts for {offset}")

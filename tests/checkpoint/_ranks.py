@@ -1,0 +1,63 @@
+"""Run a scenario function on N real gloo ranks (forkserver processes) and collect each rank's JSON result."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+PG_TIMEOUT = timedelta(seconds=60)
+
+Scenario = Callable[[int, int, Path], dict[str, Any]]
+
+
+def _child(rank: int, tmp: str, world: int, scenario: Scenario) -> None:
+    out = Path(tmp) / f"result_rank{rank}.json"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/pg_store", rank=rank, world_size=world, timeout=PG_TIMEOUT
+    )
+    try:
+        result = scenario(rank, world, Path(tmp))
+        out.write_text(json.dumps({"ok": True, **result}))
+    except BaseException:
+        out.write_text(json.dumps({"ok": False, "traceback": traceback.format_exc()}))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(scenario: Scenario, world: int, tmp: Path, deadline_s: float = 90.0) -> list[dict[str, Any]]:
+    """Run ``scenario(rank, world, tmp)`` on ``world`` ranks; fails (never hangs) past ``deadline_s``."""
+    mp.get_context("forkserver").set_forkserver_preload([scenario.__module__])
+    ctx = mp.start_processes(
+        _child, args=(str(tmp), world, scenario), nprocs=world, join=False, start_method="forkserver"
+    )
+    deadline = time.monotonic() + deadline_s
+    crashed: Exception | None = None
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                pytest.fail(f"{scenario.__name__} did not finish within {deadline_s}s")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+        crashed = err
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    files = [tmp / f"result_rank{rank}.json" for rank in range(world)]
+    results = [json.loads(f.read_text()) if f.exists() else {"ok": False, "traceback": "(no result)"} for f in files]
+    failed = [f"rank {rank}:\n{res['traceback']}" for rank, res in enumerate(results) if not res.pop("ok")]
+    if failed or crashed is not None:
+        pytest.fail(f"{scenario.__name__} failed: {crashed}\n" + "\n".join(failed))
+    return results
