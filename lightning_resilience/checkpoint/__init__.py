@@ -13,6 +13,7 @@ from lightning_resilience.checkpoint.manager import CheckpointManager, Checkpoin
 from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.checkpoint.remote import RemoteTier, RemoteTierError
 from lightning_resilience.checkpoint.replication import PeerTier
+from lightning_resilience.checkpoint.reshard import ReshardError, plan_reshard, restore_resharded
 from lightning_resilience.checkpoint.tier import Tier
 
 __all__ = [
@@ -28,7 +29,10 @@ __all__ = [
     "PeerTier",
     "RemoteTier",
     "RemoteTierError",
+    "ReshardError",
     "ResumableDataLoader",
     "Restored",
     "Tier",
+    "plan_reshard",
+    "restore_resharded",
 ]

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError, CheckpointWorkerError, NoValidCheckpointError
 from lightning_resilience.checkpoint.memory import MemoryTier
+from lightning_resilience.checkpoint.reshard import restore_resharded_agreed
 from lightning_resilience.checkpoint.snapshot import HostSnapshot, SnapshotPool
 from lightning_resilience.checkpoint.tier import Tier, TierIdentity
 from lightning_resilience.checkpoint.tree import DTensorRebuilder, flatten_state, unflatten_state
@@ -446,6 +448,10 @@ class CheckpointManager:
                 return Restored(candidate, state, source, elapsed, snap.meta)
             if snap is not None:
                 log.warning("step %d is valid here but not on every rank; trying an older one", candidate)
+        if step is None and self.config.allow_reshard:  # nothing at this world size: a step written by another?
+            resharded = self._restore_resharded(max_step, rebuild_dtensor, start)
+            if resharded is not None:
+                return resharded
         if step is not None:
             raise NoValidCheckpointError(
                 f"checkpoint step {step} is not loadable on every rank (see warnings above); "
@@ -462,6 +468,43 @@ class CheckpointManager:
                 "(checkpoint.if_none_valid=start_fresh)"
             )
         return None
+
+    def _restore_resharded(
+        self, max_step: int | None, rebuild_dtensor: DTensorRebuilder | None, start: float
+    ) -> Restored | None:
+        """Collective: restore the newest step that a job of another world size wrote, resharded for this one."""
+        roots = {t.name: root for t in self._persistent if isinstance(root := getattr(t, "root", None), Path)}
+        if not roots:
+            return None
+
+        def skip(msg: str) -> None:
+            log.warning(msg)
+            self.stats.skipped_corrupt.append(msg)
+
+        found = restore_resharded_agreed(
+            roots,
+            self.identity,
+            all_gather=self._all_gather,
+            all_true=self._all_true,
+            rebuild_dtensor=rebuild_dtensor,
+            max_step=max_step,
+            on_skip=skip,
+        )
+        if found is None:
+            return None
+        name, res = found
+        elapsed = self._clock() - start
+        self.stats.restored_step, self.stats.restored_from, self.stats.restore_seconds = res.step, name, elapsed
+        log.warning(
+            "restored step %d from tier %r, resharded from %d to %d ranks (per-rank RNG and data position taken "
+            "from old rank new_rank %% %d: not an exact resume)",
+            res.step,
+            name,
+            res.old_world_size,
+            self.world_size,
+            res.old_world_size,
+        )
+        return Restored(res.step, res.state, name, elapsed, res.meta)
 
     def _all_gather(self, obj: Any) -> list[Any]:
         if self.world_size == 1:

@@ -21,8 +21,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 __all__ = ["DTensorRebuilder", "FlatState", "TensorSpec", "flatten_state", "storage_ptr", "unflatten_state"]
 
 DTensorRebuilder = Callable[[torch.Tensor, Mapping[str, Any]], Any]
-"""Turns a rank's local shard and its recorded layout (mesh dim names, placements, global shape and stride) back
-into a distributed tensor. Needed only for states that hold DTensors (FSDP2, tensor parallel)."""
+"""Turns a rank's local shard and its recorded layout (mesh dim names, placements, global shape and stride; newer
+checkpoints also hold ``mesh_shape`` and this rank's ``coord`` on the mesh) back into a distributed tensor. Needed only
+for states that hold DTensors (FSDP2, tensor parallel)."""
 
 _SEP = "/"
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -132,6 +133,9 @@ def flatten_state(state: Any, *, warn: Callable[[str], None] | None = None) -> F
                     "placements": [_placement_text(p) for p in obj.placements],
                     "shape": list(obj.shape),
                     "stride": list(obj.stride()),
+                    # where the shard sits on its mesh: what a reader on another world size needs to reslice it
+                    "mesh_shape": list(obj.device_mesh.shape),
+                    "coord": list(obj.device_mesh.get_coordinate() or ()),
                 }
             }
         if isinstance(obj, torch.Tensor):

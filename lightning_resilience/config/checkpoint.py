@@ -193,6 +193,10 @@ class CheckpointConfig:
     """On the CPU, copy parameters and optimizer state into the snapshot in the background while the next forward
     and backward run; the next optimizer step waits for it. Turn off if something other than the optimizer changes
     parameters between steps (an in-place weight edit in a callback)."""
+    allow_reshard: bool = True
+    """When no step is loadable at this world size, restore the newest step written by a job of another world size
+    (a directory tier every rank can read), resharded: exact for model and optimizer, not for per-rank RNG and
+    data position (see docs/resharding.md)."""
     save_on_exception: bool = True
     """When training raises, persist the newest RAM snapshot (the last state captured at a step boundary, not the
     possibly broken live state) to the persistent tiers before the exception propagates. Rank-local: no collective
