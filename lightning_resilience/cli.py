@@ -62,8 +62,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["simulate"]:  # its own parser: every flag after the word belongs to the simulator
+        from lightning_resilience.sim.cli import simulate_main
+
+        return int(simulate_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="lightning-resilience", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("simulate", help="predict ETTR and the best checkpoint interval at scale (see simulate --help)")
     run = sub.add_parser("run", help="run a recipe with Hydra overrides")
     run.add_argument("recipe")
     run.add_argument("overrides", nargs=argparse.REMAINDER)

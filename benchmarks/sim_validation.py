@@ -1,0 +1,506 @@
+"""Does the simulator predict the ETTR of a real fault-injected training run?
+
+Run from the repository root::
+
+    python -m benchmarks.sim_validation            # 600 steps, ~5 kills, about four minutes
+    python -m benchmarks.sim_validation --quick    # 250 steps, 2-4 kills, about two minutes
+
+A tiny GPT trains on 2 CPU ranks (gloo) under ``torchrun --max-restarts``, with ``TieredCheckpoint`` persisting to a
+``LocalTier`` every K steps. Kill times are drawn up front from a Poisson process (mean ``--mttf`` seconds of wall
+time, counted from the end of the first checkpoint interval); a thread of rank 1 SIGKILLs its process at each one,
+whatever the job is doing (training, restarting or restoring), torchrun restarts the job and it resumes from the
+newest committed checkpoint. The run ends when ``--steps`` steps are done.
+
+Measured: wall time (end of the first checkpoint interval of the first attempt to the last step of the last),
+productive time (steps x the mean step time at full speed), hence the ETTR; and from the same run the costs the
+simulator needs: mean step time, blocking per checkpoint (checkpoint steps minus the others), background write time,
+restore time, and restart time (kill until training is back at full speed, restore excluded). They are written
+to ``<run dir>/resilience_report.json`` (the ``simulate --from-run`` schema) and read back through
+``load_run_costs``, so the prediction uses exactly that path.
+
+Predicted: (1) the simulator replaying the same kill times, (2) the simulator's mean over many random Poisson draws
+with the same MTTF (what a user would get before running anything). Printed: both ETTRs and the gaps in points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+MODULE = "benchmarks.sim_validation"
+DEFAULT_OUT = "benchmarks/results/sim_validation.json"
+TARGET_GAP_POINTS = 5.0
+WORLD_SIZE = 2
+RESUME_STEPS = 5
+
+# ------------------------------------------------------------------------------------------------------------------
+# worker: one rank of one attempt, started by torchrun
+
+
+def _append(path: Path, record: dict[str, Any]) -> None:
+    # one line per event, flushed and synced: the next line may never come (SIGKILL)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by the kill
+            continue
+    return out
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+
+    from lightning_resilience import LocalTier, ResilientDDPStrategy, ResumableDataLoader, TieredCheckpoint
+    from recipes._data import SyntheticTokenDataModule
+    from recipes._gpt import TinyGPT
+
+    torch.set_num_threads(1)
+    run = Path(args.run_dir)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank = int(os.environ.get("RANK", "0"))
+    events = run / f"events_rank{rank}.jsonl"
+    kills = json.loads((run / "kills.json").read_text())["offsets_s"]
+    t0_file = run / "t0.json"
+
+    current_step: list[int | None] = [None]  # None until this attempt trains: a kill then hits the restart
+
+    def killer() -> None:
+        """Rank 1 dies at each scheduled time, whatever the job is doing then (starting, restoring, training)."""
+        while not t0_file.exists():  # attempt 0: the schedule starts with the clock
+            threading.Event().wait(0.05)
+        t0 = float(json.loads(t0_file.read_text())["t0"])
+        done = sum(1 for e in _read_events(events) if e["event"] == "kill")
+        if done >= len(kills):
+            return
+        threading.Event().wait(max(0.0, t0 + kills[done] - time.time()))
+        step = current_step[0]
+        if step is not None and step >= args.steps:
+            return
+        _append(events, {"event": "kill", "attempt": attempt, "t": time.time(), "step": step})
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if rank == 1:
+        threading.Thread(target=killer, name="sim-validation-killer", daemon=True).start()
+
+    class Timeline(Callback):
+        def __init__(self) -> None:
+            self.first = True
+
+        def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *a: Any) -> None:
+            if not self.first:
+                return
+            self.first = False
+            now = time.time()
+            tiered = next(c for c in trainer.callbacks if isinstance(c, TieredCheckpoint))
+            s = tiered.stats
+            _append(
+                events,
+                {
+                    "event": "first_batch",
+                    "attempt": attempt,
+                    "t": now,
+                    "step": trainer.global_step,
+                    "restored_step": s.restored_step,
+                    "restore_s": s.restore_seconds,
+                },
+            )
+
+        def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *a: Any) -> None:
+            now = time.time()
+            step = trainer.global_step
+            current_step[0] = step
+            if rank == 0:
+                _append(events, {"event": "step", "attempt": attempt, "t": now, "step": step})
+                if attempt == 0 and step == args.every:  # the clock starts once start-up and warm-up are over
+                    tmp = t0_file.with_suffix(".tmp")
+                    tmp.write_text(json.dumps({"t0": now}))
+                    os.replace(tmp, t0_file)
+
+        def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            if rank != 0:
+                return
+            tiered = next(c for c in trainer.callbacks if isinstance(c, TieredCheckpoint))
+            s = tiered.stats
+            _append(
+                events,
+                {
+                    "event": "end",
+                    "attempt": attempt,
+                    "t": time.time(),
+                    "step": trainer.global_step,
+                    "tiers": {n: vars(t) for n, t in s.tiers.items()},
+                    "captures": s.captures,
+                    "capture_seconds_mean": s.capture_seconds_mean,
+                },
+            )
+
+    seed_everything(7, workers=True)
+    model = TinyGPT(
+        vocab_size=256, seq_len=64, d_model=128, n_layer=2, n_head=4, dropout=0.0, warmup_steps=5, max_steps=10_000
+    )
+    data = SyntheticTokenDataModule(
+        batch_size=16, num_samples=16384, seq_len=64, vocab_size=256, seed=3, loader_cls=ResumableDataLoader
+    )
+    tier = LocalTier(run / "ckpt", every_n_steps=args.every, keep=2)
+    trainer = Trainer(
+        max_steps=args.steps,
+        accelerator="cpu",
+        devices=WORLD_SIZE,
+        strategy=ResilientDDPStrategy(),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[TieredCheckpoint([tier]), Timeline()],
+    )
+    trainer.fit(model, datamodule=data)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# driver
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(run: Path, steps: int, every: int, restarts: int, timeout: float) -> subprocess.CompletedProcess[str]:
+    root = Path(__file__).resolve().parent.parent
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD_SIZE),
+        "--max-restarts", str(restarts), "--monitor-interval", "0.1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+        str(Path(__file__).resolve()), "--worker", "--run-dir", str(run), "--steps", str(steps), "--every", str(every),
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+        # a restarted rank must not read its dead peer's address from the previous attempt's store (pytorch#135712)
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    (run / "torchrun.log").write_text(proc.stdout + "\n---- stderr ----\n" + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"torchrun failed (rc={proc.returncode}); see {run / 'torchrun.log'}:\n{proc.stderr[-3000:]}"
+        )
+    return proc
+
+
+def measure(run: Path, steps: int, every: int) -> dict[str, Any]:
+    """Wall time, productive time, ETTR and the unit costs, from the event logs of both ranks.
+
+    The clock starts at the end of step ``every`` of the first attempt (start-up and first-step warm-up are not
+    what the simulator models), so the productive work is ``steps - every`` steps. A restart costs from the kill
+    until training is back at full speed: ``RESUME_STEPS`` steps after the resume, less their median duration
+    (the slow first steps after a restart are part of it, as TrainMover counts warm-up). Its mean over the kills
+    whose next attempt trained is the restart cost; ``down_s`` is what is left of the wall time once productive
+    steps, lost steps and checkpoint blocking are taken out.
+    """
+    r0 = _read_events(run / "events_rank0.jsonl")
+    r1 = _read_events(run / "events_rank1.jsonl")
+    t0 = float(json.loads((run / "t0.json").read_text())["t0"])
+    step_ev = [e for e in r0 if e["event"] == "step"]
+    firsts = {e["attempt"]: e for e in r0 if e["event"] == "first_batch"}
+    kills = [e for e in r1 if e["event"] == "kill"]
+    end = next(e for e in r0 if e["event"] == "end")
+    wall = float(end["t"]) - t0
+
+    # step durations within an attempt, the first RESUME_STEPS of each attempt (warm-up) left out
+    durations: dict[int, list[float]] = {}
+    prev: dict[int, tuple[float, int]] = {}
+    for e in step_ev:
+        a = e["attempt"]
+        if a in prev and e["step"] - firsts[a]["step"] > RESUME_STEPS:
+            durations.setdefault(e["step"], []).append(e["t"] - prev[a][0])
+        prev[a] = (e["t"], e["step"])
+    plain = [d for s, ds in durations.items() if s % every for d in ds]
+    ckpt = [d for s, ds in durations.items() if s % every == 0 for d in ds]
+    # means, not medians: the simulator's step time must reproduce the total time spent training
+    step_s = statistics.fmean(plain)
+    blocking_s = max(0.0, statistics.fmean(ckpt) - step_s) if ckpt else 0.0
+
+    restarts, restores, lost_steps = [], [], 0
+    resumed_at = {a: int(e["restored_step"] or 0) for a, e in firsts.items()}
+    for k in kills:
+        a = k["attempt"]
+        if k["step"] is not None and a in firsts:  # killed while training: steps since the restore point are lost
+            nxt = min((b for b in firsts if b > a), default=None)
+            lost_steps += int(k["step"]) - (resumed_at[nxt] if nxt is not None else int(k["step"]))
+        nxt_first = firsts.get(a + 1)
+        if nxt_first is None or any(x["attempt"] == a + 1 and x["step"] is None for x in kills):
+            continue  # the next attempt was killed before it trained: no clean restart sample
+        restore = float(nxt_first["restore_s"] or 0.0)
+        resumed = resumed_at[a + 1]
+        after = [e for e in step_ev if e["attempt"] == a + 1 and e["step"] <= resumed + RESUME_STEPS]
+        back = max(after, key=lambda e: e["step"]) if after else {"t": nxt_first["t"], "step": resumed}
+        outage = float(back["t"]) - float(k["t"]) - (int(back["step"]) - resumed) * step_s
+        restores.append(restore)
+        restarts.append(outage - restore)
+    local = end["tiers"].get("local", {})
+    write_s = float(local.get("seconds", 0.0)) / max(1, int(local.get("writes", 0) or 0))
+    productive = (steps - every) * step_s
+    checkpoint = (steps // every - 1) * blocking_s
+    return {
+        "wall_s": wall,
+        "productive_s": productive,
+        "ettr": productive / wall,
+        "kills": len(kills),
+        "kill_offsets_s": [float(k["t"]) - t0 for k in kills],
+        "attempts": len(firsts),
+        "lost_steps": lost_steps,
+        "lost_s": lost_steps * step_s,
+        "checkpoint_s": checkpoint,
+        "down_s": wall - productive - lost_steps * step_s - checkpoint,
+        "step_s": step_s,
+        "blocking_s": blocking_s,
+        "write_s": write_s,
+        # means, not medians: the simulator should reproduce the total time spent restarting
+        "restore_s": statistics.fmean(restores) if restores else 0.0,
+        "restart_s": statistics.fmean(restarts) if restarts else 0.0,
+        "restart_samples_s": restarts,
+    }
+
+
+def write_run_report(run: Path, m: dict[str, Any], every: int, mttf: float) -> Path:
+    """The measured costs in the ``simulate --from-run`` schema."""
+    report = {
+        "step_seconds": m["step_s"],
+        "gpus": WORLD_SIZE,
+        "gpus_per_node": 1,
+        "tiers": {
+            "local": {
+                "every_n_steps": every,
+                "blocking_seconds": m["blocking_s"],
+                "write_seconds": m["write_s"],
+                "restore_seconds": m["restore_s"],
+                "durability": "host",
+                "keep": 2,
+            }
+        },
+        "restart_seconds": {"in_job": m["restart_s"]},
+        "detection_seconds": {"crash": 0.0},
+        # the scheduled failure rate, not the handful observed: the prediction is for that rate
+        "failures": {"count": 1, "wall_seconds": mttf},
+    }
+    path = run / "resilience_report.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    return path
+
+
+def predict(run: Path, steps: int, every: int, kill_offsets: list[float], replications: int) -> dict[str, Any]:
+    import dataclasses
+
+    import numpy as np
+
+    from lightning_resilience.config.sim import FailureKindConfig, SimConfig
+    from lightning_resilience.sim import FailureTrace, apply_run_costs, load_run_costs, simulate, simulate_many
+
+    costs = load_run_costs(run)
+    base = SimConfig()
+    base = dataclasses.replace(
+        base,
+        cluster=dataclasses.replace(base.cluster, gpus=WORLD_SIZE, gpus_per_node=1),
+        failures=dataclasses.replace(
+            base.failures,
+            mttf_s=float(costs.observed_mttf_s or 1.0),
+            ref_gpus=WORLD_SIZE,
+            kinds=[FailureKindConfig(name="crash", fraction=1.0, node_lost=False, restart="in_job")],
+        ),
+        job=dataclasses.replace(base.job, horizon_s=1e7, target_steps=steps - every),
+    )
+    cfg = apply_run_costs(base, costs)
+    # the kills as they happened (the thread fires on schedule, so these are the drawn times up to the run's end)
+    trace = FailureTrace.of([(t, "crash", 1) for t in kill_offsets])
+    replay = simulate(cfg, trace=trace)
+    mc = simulate_many(cfg, replications)
+    measured = json.loads((run / "measured.json").read_text())["ettr"]
+    return {
+        "measured_percentile": float(100 * np.mean(mc.ettrs < measured) + 50 * np.mean(mc.ettrs == measured)),
+        "config": dataclasses.asdict(cfg),
+        "replay": replay.report(),
+        "replay_ettr": replay.ettr,
+        "poisson_ettr_mean": mc.ettr_mean,
+        "poisson_ettr_stderr": mc.ettr_stderr,
+        "poisson_ettr_p10_p90": [float(np.percentile(mc.ettrs, 10)), float(np.percentile(mc.ettrs, 90))],
+        "poisson_failures_mean": mc.report()["failures_mean"],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="fewer steps and a shorter MTTF (about two minutes)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps to finish (600; quick: 250)")
+    parser.add_argument("--every", type=int, default=10, help="LocalTier cadence in steps")
+    parser.add_argument("--mttf", type=float, default=None, help="mean seconds between kills (60)")
+    parser.add_argument("--max-kills", type=int, default=None, help="cap on kills (default: as drawn)")
+    parser.add_argument("--seed", type=int, default=3, help="seed of the kill times")
+    parser.add_argument(
+        "--kill-at", default=None, help="comma-separated kill times (s after the clock starts) instead of drawn ones"
+    )
+    parser.add_argument("--replications", type=int, default=400, help="Poisson draws for the prediction")
+    parser.add_argument("--run-dir", default=None, help="working directory (default: a temporary one, removed)")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="results JSON")
+    parser.add_argument("--timeout", type=float, default=900.0, help="limit on the torchrun job (s)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.worker:
+        worker(args)
+        return 0
+
+    import numpy as np
+
+    from benchmarks._common import command_line, machine_info, md_table, now_iso, print_flush, target, write_json
+
+    steps = args.steps or (250 if args.quick else 600)
+    mttf = args.mttf or 60.0
+    rng = np.random.default_rng(args.seed)
+    if args.kill_at:
+        try:
+            offsets = sorted(float(x) for x in args.kill_at.split(",") if x.strip())
+        except ValueError:
+            parser.error(f"--kill-at must be comma-separated seconds, got {args.kill_at!r}")
+    else:
+        drawn = np.cumsum(rng.exponential(mttf, size=200))
+        offsets = drawn[drawn < 3600.0].tolist()
+    offsets = offsets[: args.max_kills]
+    tmp = None
+    if args.run_dir is None:
+        tmp = tempfile.mkdtemp(prefix="sim_validation_")
+        run = Path(tmp)
+    else:
+        run = Path(args.run_dir)
+        shutil.rmtree(run, ignore_errors=True)
+        run.mkdir(parents=True)
+    (run / "kills.json").write_text(json.dumps({"mttf_s": mttf, "seed": args.seed, "offsets_s": offsets}))
+    print_flush(f"training {steps} steps on {WORLD_SIZE} ranks, LocalTier every {args.every}, kills every ~{mttf:g} s")
+    started = time.perf_counter()
+    try:
+        _launch(run, steps, args.every, restarts=len(offsets) + 3, timeout=args.timeout)
+        m = measure(run, steps, args.every)
+        write_run_report(run, m, args.every, mttf)
+        (run / "measured.json").write_text(json.dumps(m))
+        p = predict(run, steps, args.every, m["kill_offsets_s"], args.replications)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    gap_replay = 100 * (p["replay_ettr"] - m["ettr"])
+    gap_poisson = 100 * (p["poisson_ettr_mean"] - m["ettr"])
+    rb = p["replay"]["breakdown_s"]
+    print_flush(
+        md_table(
+            ["", "wall", "ETTR", "lost", "down (detect+restart+restore)", "checkpoint", "failures"],
+            [
+                (
+                    "measured",
+                    f"{m['wall_s']:.1f} s",
+                    f"{100 * m['ettr']:.1f}%",
+                    f"{m['lost_s']:.1f} s",
+                    f"{m['down_s']:.1f} s",
+                    f"{m['checkpoint_s']:.2f} s",
+                    m["kills"],
+                ),
+                (
+                    "simulated, same kills",
+                    f"{p['replay']['wall_s']:.1f} s",
+                    f"{100 * p['replay_ettr']:.1f}%",
+                    f"{rb['lost']:.1f} s",
+                    f"{rb['detection'] + rb['restart'] + rb['restore']:.1f} s",
+                    f"{rb['checkpoint']:.2f} s",
+                    sum(p["replay"]["failures"].values()),
+                ),
+                (
+                    f"simulated, Poisson mean of {args.replications}",
+                    "",
+                    f"{100 * p['poisson_ettr_mean']:.1f}% "
+                    f"(p10-p90 {100 * p['poisson_ettr_p10_p90'][0]:.0f}-{100 * p['poisson_ettr_p10_p90'][1]:.0f}%)",
+                    "",
+                    "",
+                    "",
+                    f"{p['poisson_failures_mean']:.1f}",
+                ),
+            ],
+        )
+    )
+    print_flush(
+        f"measured costs: step {m['step_s'] * 1e3:.1f} ms, checkpoint blocking {m['blocking_s'] * 1e3:.1f} ms, "
+        f"write {m['write_s'] * 1e3:.1f} ms, restore {m['restore_s'] * 1e3:.1f} ms, restart {m['restart_s']:.2f} s "
+        f"(samples {', '.join(f'{x:.1f}' for x in m['restart_samples_s'])})"
+    )
+    print_flush(
+        f"ETTR gap: same kills {gap_replay:+.2f} points (target: within {TARGET_GAP_POINTS:g}); Poisson mean "
+        f"{gap_poisson:+.2f} points, the measured run at the {p['measured_percentile']:.0f}th percentile of "
+        f"{args.replications} simulated runs (one run is one draw: target within the 95% band)"
+    )
+    targets = [
+        target("ETTR gap, simulator replaying the kills (points)", abs(gap_replay), "<=", TARGET_GAP_POINTS),
+        # one real run is one draw: it should fall inside the simulated spread, not on its mean (a 95% band)
+        target("percentile of the measured ETTR among simulated runs", p["measured_percentile"], ">=", 2.5),
+        target("percentile of the measured ETTR among simulated runs", p["measured_percentile"], "<=", 97.5),
+    ]
+    print_flush(
+        md_table(
+            ["target", "value", "goal", "verdict"],
+            [(t["name"], f"{t['value']:.3g}", f"{t['op']} {t['threshold']:g}", t["verdict"]) for t in targets],
+        )
+    )
+    write_json(
+        args.out,
+        {
+            "benchmark": "sim_validation",
+            "command": command_line(MODULE, list(argv) if argv is not None else sys.argv[1:]),
+            "date": now_iso(),
+            "machine": machine_info(),
+            "config": {
+                "steps": steps,
+                "every": args.every,
+                "mttf_s": mttf,
+                "seed": args.seed,
+                "world_size": 2,
+                "quick": args.quick,
+                "replications": args.replications,
+                "scheduled_kills": len(offsets),
+            },
+            "measured": m,
+            "predicted": p,
+            "gap_points": {"replay": gap_replay, "poisson_mean": gap_poisson},
+            "targets": targets,
+            "elapsed_s": time.perf_counter() - started,
+        },
+    )
+    print_flush(f"results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
