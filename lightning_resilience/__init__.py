@@ -16,19 +16,31 @@ from lightning_resilience.checkpoint import (
 from lightning_resilience.config import (
     CheckpointConfig,
     DeltaLocalTierConfig,
+    FaultToleranceConfig,
     LocalTierConfig,
     MemoryTierConfig,
     PeerTierConfig,
     RemoteTierConfig,
 )
-from lightning_resilience.lightning import ResilientDDPStrategy, ResilientModelParallelStrategy, TieredCheckpoint
+from lightning_resilience.lightning import (
+    HANG_EXIT_CODE,
+    PREEMPT_EXIT_CODE,
+    FaultTolerance,
+    ResilientDDPStrategy,
+    ResilientModelParallelStrategy,
+    TieredCheckpoint,
+)
 
 __all__ = [
+    "HANG_EXIT_CODE",
+    "PREEMPT_EXIT_CODE",
     "CheckpointConfig",
     "CheckpointCorruptError",
     "CheckpointManager",
     "DeltaLocalTier",
     "DeltaLocalTierConfig",
+    "FaultTolerance",
+    "FaultToleranceConfig",
     "LocalTier",
     "LocalTierConfig",
     "MemoryTier",

@@ -140,7 +140,8 @@ def write_shard(
             io_error = next((exc for exc, _ in err.failures.values() if isinstance(exc, OSError)), None)
             if io_error is not None:
                 raise OSError(io_error.errno, io_error.strerror, io_error.filename) from err
-            raise RuntimeError(f"{directory}: writing tensors failed: {err}") from err
+            causes = "; ".join(f"{type(exc).__name__}: {exc}" for exc, _ in err.failures.values())
+            raise RuntimeError(f"{directory}: writing tensors failed ({causes or err})") from err
     return seal_shard(directory, snap, meta=snap.meta, rank=rank, world_size=world_size, rank_layout=rank_layout)
 
 

@@ -8,10 +8,12 @@ from lightning_resilience.config.checkpoint import (
     PeerTierConfig,
     RemoteTierConfig,
 )
+from lightning_resilience.config.ft import FaultToleranceConfig
 
 __all__ = [
     "CheckpointConfig",
     "DeltaLocalTierConfig",
+    "FaultToleranceConfig",
     "LocalTierConfig",
     "MemoryTierConfig",
     "PeerTierConfig",

@@ -1,0 +1,249 @@
+"""ETTR accounting: a JSON ledger in the run directory, kept across restarts, of where the wall-clock time went.
+
+One writer (global rank 0) appends an *attempt* per process start and moves its heartbeat forward at step
+boundaries; every write is atomic, so the file a restart reads is always whole. From the attempts:
+
+* **training** time of an attempt: first step start to last heartbeat;
+* **restart gap**: last heartbeat of an attempt to the first step of the next (detection, teardown, relaunch,
+  re-rendezvous, restore; a requeue's queue wait too). The part the faulty rank spent being detected (a hang's
+  stuck time) is reported separately as **detection**;
+* **recomputation**: steps redone after a resume (last step reached minus the step resumed from) x the step time;
+* **checkpoint blocking**: what the checkpoint engine reports as blocking the training loop;
+* **ETTR** = productive time / wall time, productive = training - recomputation - checkpoint blocking.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from lightning_resilience.ft.restart import FaultNote, atomic_write_json, read_fault_notes
+
+__all__ = ["AttemptRecord", "EttrLedger", "EttrReport"]
+
+log = logging.getLogger(__name__)
+
+LEDGER_FILE = "ft_ledger.json"
+_VERSION = 1
+
+
+@dataclass
+class AttemptRecord:
+    """One process start of the job, as rank 0 saw it."""
+
+    index: int
+    restart_count: int
+    launcher: str
+    world_size: int
+    started_at: float
+    job_id: str | None = None
+    first_step_at: float | None = None
+    start_step: int | None = None
+    """Global step when the first step of this attempt began (the resumed step)."""
+    last_heartbeat_at: float | None = None
+    last_step: int | None = None
+    steps: int = 0
+    checkpoint_blocking_s: float = 0.0
+    ended_at: float | None = None
+    end_reason: str | None = None
+    """'finished', 'preempted', 'exception', 'hang', 'lost' (no rank left a note) or None while running."""
+    faults: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AttemptRecord:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @property
+    def training_s(self) -> float:
+        if self.first_step_at is None or self.last_heartbeat_at is None:
+            return 0.0
+        return max(self.last_heartbeat_at - self.first_step_at, 0.0)
+
+    @property
+    def step_s(self) -> float | None:
+        return self.training_s / self.steps if self.steps else None
+
+
+@dataclass(frozen=True)
+class EttrReport:
+    """The time accounting of a run so far (seconds)."""
+
+    wall_s: float
+    training_s: float
+    productive_s: float
+    startup_s: float
+    restart_gap_s: float
+    detection_s: float
+    recompute_s: float
+    recomputed_steps: int
+    checkpoint_blocking_s: float
+    attempts: int
+    restarts: int
+    causes: list[str]
+
+    @property
+    def ettr(self) -> float | None:
+        return self.productive_s / self.wall_s if self.wall_s > 0 else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "ettr": self.ettr}
+
+
+class EttrLedger:
+    """The ledger file of one run (write on global rank 0 only).
+
+    Args:
+        run_dir: directory that survives restarts.
+        wall_clock: wall-clock seconds (time.time), injectable for tests.
+        interval_s: shortest time between two heartbeat writes.
+    """
+
+    def __init__(self, run_dir: Path, *, wall_clock: Callable[[], float] = time.time, interval_s: float = 1.0) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LEDGER_FILE
+        self._wall_clock = wall_clock
+        self.interval_s = interval_s
+        self.attempts: list[AttemptRecord] = []
+        self._last_write = -float("inf")
+        self._load()
+
+    def _load(self) -> None:
+        if not self.path.exists():
+            return
+        try:
+            data = json.loads(self.path.read_text())
+            self.attempts = [AttemptRecord.from_json(a) for a in data.get("attempts", [])]
+        except (OSError, ValueError, TypeError) as err:
+            # the file is written atomically; a broken one was edited by hand: keep it for a human, start over
+            broken = self.path.with_suffix(".broken")
+            self.path.replace(broken)
+            log.error("ledger %s unreadable (%s): moved to %s, starting a new one", self.path, err, broken)
+            self.attempts = []
+
+    def save(self) -> None:
+        atomic_write_json(self.path, {"version": _VERSION, "attempts": [asdict(a) for a in self.attempts]})
+        self._last_write = self._wall_clock()
+
+    @property
+    def current(self) -> AttemptRecord | None:
+        return self.attempts[-1] if self.attempts else None
+
+    # ------------------------------------------------------------------ writes (rank 0)
+    def begin_attempt(self, *, restart_count: int, launcher: str, world_size: int, job_id: str | None) -> AttemptRecord:
+        """Start a new attempt; close the previous one with the fault notes its ranks left (or as 'lost')."""
+        now = self._wall_clock()
+        notes = read_fault_notes(self.run_dir, before=now, remove=True)
+        previous = self.current
+        if previous is not None:
+            previous.faults.extend(n.to_json() for n in notes)
+            if previous.end_reason not in ("finished", "preempted"):
+                previous.end_reason = _reason(previous.faults)
+            if previous.ended_at is None:
+                previous.ended_at = previous.last_heartbeat_at or previous.started_at
+        elif notes:
+            log.warning("ignoring %d fault notes older than the ledger", len(notes))
+        record = AttemptRecord(
+            index=len(self.attempts),
+            restart_count=restart_count,
+            launcher=launcher,
+            world_size=world_size,
+            started_at=now,
+            job_id=job_id,
+        )
+        self.attempts.append(record)
+        self.save()
+        return record
+
+    def first_step(self, step: int) -> None:
+        record = self._require()
+        record.first_step_at = self._wall_clock()
+        record.start_step = record.last_step = step
+        record.last_heartbeat_at = record.first_step_at
+        self.save()
+
+    def heartbeat(self, step: int, *, checkpoint_blocking_s: float | None = None, force: bool = False) -> bool:
+        """Move the heartbeat to the end of ``step``; written at most every ``interval_s`` unless ``force``."""
+        record = self._require()
+        now = self._wall_clock()
+        record.last_heartbeat_at = now
+        record.last_step = step
+        record.steps = step - (record.start_step or 0)
+        if checkpoint_blocking_s is not None:
+            record.checkpoint_blocking_s = checkpoint_blocking_s
+        if force or now - self._last_write >= self.interval_s:
+            self.save()
+            return True
+        return False
+
+    def end_attempt(self, reason: str, note: FaultNote | None = None) -> None:
+        record = self._require()
+        record.ended_at = self._wall_clock()
+        record.end_reason = reason
+        if note is not None:
+            record.faults.append(note.to_json())
+        self.save()
+
+    def _require(self) -> AttemptRecord:
+        if not self.attempts:
+            raise RuntimeError("ledger: begin_attempt() must run first")
+        return self.attempts[-1]
+
+    # ------------------------------------------------------------------ reads
+    def report(self) -> EttrReport:
+        return account(self.attempts)
+
+
+def _reason(faults: list[dict[str, Any]]) -> str:
+    """The cause of an attempt's end: the earliest fault any rank noted, or 'lost' when none did."""
+    if not faults:
+        return "lost"
+    first = min(faults, key=lambda f: f.get("detected_at", 0.0))
+    return {"preemption": "preempted"}.get(first["kind"], first["kind"])
+
+
+def account(attempts: list[AttemptRecord]) -> EttrReport:
+    """Time accounting over ``attempts`` (see the module docstring for the definitions)."""
+    if not attempts:
+        return EttrReport(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0, 0, 0, [])
+    end = max(a.ended_at or a.last_heartbeat_at or a.started_at for a in attempts)
+    wall = end - attempts[0].started_at
+    training = sum(a.training_s for a in attempts)
+    blocking = sum(a.checkpoint_blocking_s for a in attempts)
+    first = attempts[0]
+    startup = (first.first_step_at - first.started_at) if first.first_step_at is not None else 0.0
+    gap = detection = recompute = 0.0
+    redone = 0
+    causes: list[str] = []
+    for prev, cur in itertools.pairwise(attempts):
+        causes.append(prev.end_reason or "lost")
+        hangs = sorted((f for f in prev.faults if f.get("kind") == "hang"), key=lambda f: f.get("detected_at", 0.0))
+        if hangs:  # the first rank to detect it ended the attempt; later notes are its consequences
+            detection += float(hangs[0].get("detection_s") or 0.0)
+        if cur.first_step_at is not None:
+            gap += cur.first_step_at - (prev.last_heartbeat_at or prev.started_at)
+        if cur.start_step is not None and prev.last_step is not None and prev.last_step > cur.start_step:
+            steps = prev.last_step - cur.start_step
+            redone += steps
+            recompute += steps * (prev.step_s or cur.step_s or 0.0)
+    productive = max(training - recompute - blocking, 0.0)
+    return EttrReport(
+        wall_s=wall,
+        training_s=training,
+        productive_s=productive,
+        startup_s=startup,
+        restart_gap_s=gap,
+        detection_s=detection,
+        recompute_s=recompute,
+        recomputed_steps=redone,
+        checkpoint_blocking_s=blocking,
+        attempts=len(attempts),
+        restarts=len(attempts) - 1,
+        causes=causes,
+    )

@@ -1,0 +1,378 @@
+"""FaultTolerance: hang detection with stack dumps, preemption handling, NVRx heartbeats and an ETTR ledger."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from lightning_resilience.config.ft import FaultToleranceConfig
+from lightning_resilience.ft.ettr import EttrLedger, EttrReport
+from lightning_resilience.ft.heartbeat import RankMonitorBridge, connect_rank_monitor
+from lightning_resilience.ft.preemption import PREEMPT_EXIT_CODE, PreemptionNotice, connect_store
+from lightning_resilience.ft.restart import Attempt, FaultNote, current_attempt, write_fault_note
+from lightning_resilience.ft.watchdog import (
+    HANG_EXIT_CODE,
+    OUT_OF_SECTION,
+    Hang,
+    HangHandler,
+    TimeoutCalibrator,
+    Watchdog,
+)
+from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
+
+__all__ = ["HANG_EXIT_CODE", "PREEMPT_EXIT_CODE", "FaultTolerance"]
+
+log = logging.getLogger(__name__)
+
+_JOIN_TIMEOUT = timedelta(seconds=10)
+
+
+class FaultTolerance(Callback):
+    """Detect hangs, handle preemption notices, count restarts and account for lost time.
+
+    * A watchdog thread per rank times the sections ``setup``, ``step`` (batch start to batch end: forward,
+      backward, optimizer), ``out_of_section`` (between steps), ``validation`` and ``checkpointing``. Timeouts are
+      calibrated from the run's own timings and travel with the checkpoint, so a restart starts calibrated. On a
+      hang the rank dumps all its threads' stacks to ``<run_dir>/stacks/`` and exits with :data:`HANG_EXIT_CODE`.
+    * Under NVRx's ``ft_launcher`` the same sections and a heartbeat per step go to its rank monitor too.
+    * A preemption signal on any rank stops every rank at one agreed step boundary; the newest RAM snapshot is
+      saved by :class:`TieredCheckpoint` and :attr:`exit_code` becomes :data:`PREEMPT_EXIT_CODE`.
+    * Rank 0 keeps a ledger of attempts and faults in ``<run_dir>/ft_ledger.json`` (ETTR, restart gaps,
+      recomputation, checkpoint blocking).
+
+    Put it before :class:`TieredCheckpoint` in ``callbacks`` so the final checkpoint flush is timed as
+    ``checkpointing``. After ``fit`` returns, end the process with :attr:`exit_code` (never from a hook)::
+
+        ft = FaultTolerance(FaultToleranceConfig(run_dir="/shared/run-17"))
+        trainer = Trainer(callbacks=[ft, TieredCheckpoint(tiers)], ...)
+        trainer.fit(model, datamodule=data)
+        sys.exit(ft.exit_code)
+
+    Args:
+        config: timeouts, signals, NVRx mode and the run directory.
+        on_hang: replaces the default hang handler (stack dump, fault note, exit); runs on the watchdog thread.
+        clock: monotonic seconds for the watchdog, injectable for tests.
+    """
+
+    def __init__(
+        self,
+        config: FaultToleranceConfig | None = None,
+        *,
+        on_hang: Callable[[Hang], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or FaultToleranceConfig()
+        self._on_hang = on_hang
+        self._clock = clock
+        self.run_dir: Path | None = None
+        self.attempt: Attempt | None = None
+        self.calibrator = self._new_calibrator()
+        self.watchdog: Watchdog | None = None
+        self.monitor: RankMonitorBridge | None = None
+        self.monitor_reason = ""
+        self.preemption: PreemptionNotice | None = None
+        self.ledger: EttrLedger | None = None
+        self.preempted_at: int | None = None
+        self.emergency_saved: int | None = None
+        self.exception: str | None = None
+        self._nvrx_state: dict[str, Any] = {}
+        self._started_training = False
+        self._last_step = -1
+        self._boundaries = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        # spawn launchers pickle callbacks: threads, sockets, stores and open files are per process
+        state = self.__dict__.copy()
+        state.update(watchdog=None, monitor=None, preemption=None, ledger=None)
+        return state
+
+    def _new_calibrator(self) -> TimeoutCalibrator:
+        c = self.config
+        return TimeoutCalibrator(
+            c.initial_timeouts_s,
+            safety_factor=c.safety_factor,
+            warmup={"step": c.warmup_steps, OUT_OF_SECTION: c.warmup_steps},
+            min_s=c.min_timeout_s,
+            max_s=c.max_timeout_s,
+            enabled=c.calibrate,
+            sections=c.calibrated_sections,
+        )
+
+    @property
+    def exit_code(self) -> int:
+        """The status to end the process with once ``fit`` has returned: PREEMPT_EXIT_CODE after a notice, else 0."""
+        return PREEMPT_EXIT_CODE if self.preempted_at is not None else 0
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        cfg = self.config
+        # a callback reused for another fit starts a new attempt (its calibration is kept)
+        self._started_training, self._last_step, self._boundaries = False, -1, 0
+        self.preempted_at = self.emergency_saved = None
+        self.exception = None
+        self.run_dir = Path(cfg.run_dir) if cfg.run_dir else Path(trainer.default_root_dir) / "resilience"
+        self.attempt = current_attempt(trainer.global_rank, trainer.world_size)
+        on_hang = self._on_hang or HangHandler(
+            self.run_dir,
+            trainer.global_rank,
+            self.attempt.restart_count,
+            dump=cfg.dump_stacks,
+            exit=cfg.exit_on_hang,
+        )
+        self.watchdog = Watchdog(self.calibrator, on_hang, clock=self._clock)
+        self.watchdog.switch("setup", trainer.global_step)
+        self.watchdog.start()
+        self.monitor, self.monitor_reason = connect_rank_monitor(cfg.nvrx)
+        log.info("rank %d: %s", trainer.global_rank, self.monitor_reason)
+        if self.monitor is not None:
+            self.monitor.load_state_dict(self._nvrx_state)
+            self.monitor.start_section("setup")
+        store = None
+        if trainer.world_size > 1:
+            namespace = f"{self.attempt.job_id or 'job'}/{self.attempt.restart_count}"
+            store, why = connect_store(timedelta(seconds=cfg.store_timeout_s), namespace)
+            if store is None:
+                log.warning("preemption notices stay rank-local: %s", why)
+        self.preemption = PreemptionNotice(cfg.signals, store)
+        if trainer.is_global_zero:
+            self.ledger = EttrLedger(self.run_dir, interval_s=cfg.ledger_interval_s)
+            self.ledger.begin_attempt(
+                restart_count=self.attempt.restart_count,
+                launcher=self.attempt.launcher,
+                world_size=trainer.world_size,
+                job_id=self.attempt.job_id,
+            )
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # installed here, after the Trainer registered its own handlers: Lightning's SIGTERM handler runs a
+        # collective from inside the signal handler on the signalled rank only, which would deadlock the others
+        if self.preemption is not None:
+            self.preemption.install()
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.watchdog is None:
+            return
+        step = trainer.global_step
+        if not self._started_training:
+            self._started_training = True
+            if self.ledger is not None:
+                self.ledger.first_step(step)
+            if self.monitor is not None:
+                self.monitor.end_section("setup")
+        self.watchdog.switch("step", step)
+        if self.monitor is not None:
+            self.monitor.start_section("step")
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.watchdog is None:
+            return
+        step = trainer.global_step
+        self.watchdog.switch(OUT_OF_SECTION, step)
+        if self.monitor is not None:
+            self.monitor.end_section("step")
+            self.monitor.heartbeat()
+        if step == self._last_step:  # mid gradient accumulation: not a step boundary
+            return
+        self._last_step = step
+        if self.ledger is not None:
+            self.ledger.heartbeat(step, checkpoint_blocking_s=self._checkpoint_blocking(trainer))
+        self._boundaries += 1
+        if self.monitor is not None and not self.monitor.calibrated and self._boundaries > self.config.warmup_steps:
+            self.monitor.calibrate()  # collective inside NVRx: every rank reaches this same step
+        assert self.preemption is not None
+        if self.preempted_at is None and self.preemption.should_stop(step):
+            self.preempted_at = step
+            trainer.should_stop = True
+            log.warning("rank %d: stopping after step %d on a preemption notice", trainer.global_rank, step)
+        if trainer.loggers:
+            pl_module.log_dict(self._metrics(), on_step=True, on_epoch=False, logger=True, prog_bar=False)
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.watchdog is not None and self._started_training:
+            self.watchdog.switch("validation", trainer.global_step)
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.watchdog is not None and self._started_training:
+            self.watchdog.switch(OUT_OF_SECTION, trainer.global_step)
+            if self.monitor is not None:
+                self.monitor.heartbeat()
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.watchdog is None:
+            return
+        self.watchdog.switch("checkpointing", trainer.global_step)
+        if self.monitor is not None:
+            self.monitor.start_section("checkpointing")
+        if self.preempted_at is None:
+            return
+        tiered = next((c for c in trainer.callbacks if isinstance(c, TieredCheckpoint)), None)  # type: ignore[attr-defined]
+        if tiered is None:
+            log.error("preemption notice handled without a TieredCheckpoint: nothing saved")
+        else:
+            # every rank is here at the same step boundary, so the save may be collective
+            self.emergency_saved = tiered.emergency_save(collective=True)
+        assert self.preemption is not None and self.attempt is not None and self.run_dir is not None
+        note = FaultNote(
+            kind="preemption",
+            rank=trainer.global_rank,
+            attempt=self.attempt.restart_count,
+            step=self.preempted_at,
+            detected_at=self.preemption.received_at or time.time(),
+            message=f"{self.preemption.received_signal.name if self.preemption.received_signal else 'notice'}"
+            f" on this rank; stopped after step {self.preempted_at}, saved step {self.emergency_saved}",
+        )
+        if self.ledger is not None:  # rank 0 owns the ledger and records its note there directly
+            self.ledger.heartbeat(trainer.global_step, checkpoint_blocking_s=self._checkpoint_blocking(trainer))
+            self.ledger.end_attempt("preempted", note if self.preemption.received else None)
+        elif self.preemption.received:
+            write_fault_note(self.run_dir, note)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.exception = f"{type(exception).__name__}: {exception}"
+        section = self.watchdog.section if self.watchdog is not None else None
+        # Lightning runs no teardown hook after an exception: stop here. The emergency save that follows
+        # (TieredCheckpoint.on_exception) is rank-local and bounded by its own deadline.
+        self._shutdown()
+        if self.run_dir is None or self.attempt is None:
+            return
+        note = FaultNote(
+            kind="exception",
+            rank=trainer.global_rank,
+            attempt=self.attempt.restart_count,
+            step=trainer.global_step,
+            detected_at=time.time(),
+            message=self.exception[:2000],
+            section=section,
+        )
+        try:
+            if self.ledger is not None:  # rank 0 owns the ledger and records its note there directly
+                self.ledger.end_attempt("exception", note)
+            else:
+                write_fault_note(self.run_dir, note)
+        except OSError as err:  # the training exception is what the user must see
+            log.error("could not record the exception in %s: %s", self.run_dir, err)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._shutdown()
+        if self.ledger is not None and self.ledger.current is not None and self.ledger.current.end_reason is None:
+            self.ledger.heartbeat(trainer.global_step, checkpoint_blocking_s=self._checkpoint_blocking(trainer))
+            self.ledger.end_attempt("finished")
+
+    def _shutdown(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.switch(None)
+            self.watchdog.stop(_JOIN_TIMEOUT)
+        if self.preemption is not None:
+            self.preemption.uninstall()
+        if self.monitor is not None:
+            self._nvrx_state = self.monitor.state_dict()
+            self.monitor.close()
+            self.monitor = None
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        nvrx = self.monitor.state_dict() if self.monitor is not None else self._nvrx_state
+        return {"calibration": self.calibrator.state_dict(), "nvrx": nvrx}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.calibrator.load_state_dict(state_dict.get("calibration", {}))
+        self._nvrx_state = dict(state_dict.get("nvrx") or {})
+        if self.monitor is not None:
+            self.monitor.load_state_dict(self._nvrx_state)
+        if self.watchdog is not None:
+            self.watchdog.poke()  # the open section (setup) is now judged by the loaded timeout
+
+    # ------------------------------------------------------------------ report
+    @staticmethod
+    def _checkpoint_blocking(trainer: Trainer) -> float | None:
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(cb, TieredCheckpoint) and cb.manager is not None:
+                return float(cb.manager.stats.capture_seconds)
+        return None
+
+    def ettr(self) -> EttrReport | None:
+        """Time accounting so far (global rank 0 only; None elsewhere)."""
+        return self.ledger.report() if self.ledger is not None else None
+
+    def _metrics(self) -> dict[str, float]:
+        timeouts = self.calibrator.timeouts()
+        out = {
+            "resilience/ft/step_timeout_s": timeouts.get("step", 0.0),
+            "resilience/ft/out_of_section_timeout_s": timeouts.get(OUT_OF_SECTION, 0.0),
+            "resilience/ft/restart_count": float(self.attempt.restart_count if self.attempt else 0),
+        }
+        report = self.ettr()
+        if report is not None:
+            out.update(
+                {
+                    "resilience/ft/ettr": report.ettr or 0.0,
+                    "resilience/ft/restart_gap_s": report.restart_gap_s,
+                    "resilience/ft/recompute_s": report.recompute_s,
+                    "resilience/ft/checkpoint_blocking_s": report.checkpoint_blocking_s,
+                    "resilience/ft/detection_s": report.detection_s,
+                }
+            )
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """JSON-able figures for the machine-readable end-of-run report."""
+        ettr = self.ettr()
+        return {
+            "attempt": self.attempt.__dict__ if self.attempt else None,
+            "timeouts_s": self.calibrator.timeouts(),
+            "calibrated": {s: self.calibrator.calibrated(s) for s in self.calibrator.timeouts()},
+            "nvrx": self.monitor_reason,
+            "preempted_at": self.preempted_at,
+            "emergency_saved": self.emergency_saved,
+            "exception": self.exception,
+            "exit_code": self.exit_code,
+            "ettr": ettr.to_json() if ettr else None,
+            "attempts": [a.__dict__ for a in self.ledger.attempts] if self.ledger else None,
+        }
+
+    def summary(self) -> str:
+        """A short human-readable account: timeouts, restarts and their causes, and where the time went."""
+        t = self.calibrator.timeouts()
+        lines = [
+            "fault tolerance: timeouts "
+            + ", ".join(f"{s} {v:.0f}s{'' if self.calibrator.calibrated(s) else ' (initial)'}" for s, v in t.items()),
+            f"  {self.monitor_reason or 'NVRx rank monitor: not set up'}",
+        ]
+        if self.preempted_at is not None:
+            lines.append(f"  preempted after step {self.preempted_at}; emergency save of step {self.emergency_saved}")
+        report = self.ettr()
+        if report is not None:
+            ettr = f"{report.ettr:.3f}" if report.ettr is not None else "n/a"
+            lines += [
+                f"  ETTR {ettr} over {report.wall_s:.1f}s wall: productive {report.productive_s:.1f}s, "
+                f"startup {report.startup_s:.1f}s, restart gaps {report.restart_gap_s:.1f}s "
+                f"(detection {report.detection_s:.1f}s), recomputation {report.recompute_s:.1f}s "
+                f"({report.recomputed_steps} steps), checkpoint blocking {report.checkpoint_blocking_s:.2f}s",
+                f"  {report.attempts} attempts, {report.restarts} restarts"
+                + (f": causes {', '.join(report.causes)}" if report.causes else ""),
+            ]
+        return "\n".join(lines)
