@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_PATHS := lightning_resilience recipes tests $(wildcard benchmarks)
 
-.PHONY: venv demo test lint typecheck unit bench clean
+.PHONY: venv nemo-venv demo test lint typecheck unit bench clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,24 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# A real NeMo (it pins lightning 2.4) in its own environment, for tests/integrations/test_nemo.py; our package is
+# installed without its dependencies so that NeMo's pins stay as they are.
+NEMO_VENV ?= .venv-nemo
+NEMO_STAMP := $(NEMO_VENV)/.installed
+$(NEMO_STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(NEMO_VENV)
+	$(NEMO_VENV)/bin/pip install -q --upgrade pip
+	$(NEMO_VENV)/bin/pip install -q $(TORCH_SPEC)
+	$(NEMO_VENV)/bin/pip install -q "nemo-toolkit[core,common-only]==3.0.0"
+	$(NEMO_VENV)/bin/pip install -q --no-deps -e .
+	$(NEMO_VENV)/bin/pip install -q --no-deps "nvidia-resiliency-ext>=0.4"
+	$(NEMO_VENV)/bin/pip install -q defusedxml nvidia-ml-py psutil pynvml "zstandard>=0.22" "xxhash>=3.0" \
+		"fsspec>=2023.1" "hydra-core>=1.3" "omegaconf>=2.3" "rich>=13" pytest pytest-timeout
+	$(NEMO_VENV)/bin/python -c "import lightning; assert lightning.__version__.startswith('2.4'), lightning.__version__"
+	touch $(NEMO_STAMP)
+
+nemo-venv: $(NEMO_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m recipes.demo
@@ -31,7 +49,7 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-test: lint typecheck unit
+test: lint typecheck nemo-venv unit
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all

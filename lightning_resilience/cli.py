@@ -1,54 +1,451 @@
-"""`lightning-resilience` command line: run a recipe, list and verify checkpoints."""
+"""`lightning-resilience` command line: run a recipe, list, verify, inspect and export checkpoints, show a run's
+resilience report, simulate at scale."""
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
+import os
+import re
 import runpy
 import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
-from lightning_resilience.checkpoint.format import MANIFEST, validate_shard
 
 RECIPES = ("pretrain_gpt",)
 
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_RANK_RE = re.compile(r"^rank_(\d+)$")
+_TORCH_SUFFIXES = (".ckpt", ".pt", ".pth")
+_SEARCH_DEPTH = 4
 
-def _shards(root: Path) -> list[Path]:
-    """Every shard directory under ``root`` (a tier root, a step directory or a shard itself)."""
-    if (root / MANIFEST).exists() or root.name.startswith("rank_"):
-        return [root]
-    return sorted(p for p in root.rglob("rank_*") if p.is_dir())
+
+class CliError(Exception):
+    """A problem with what the user asked for; printed as ``error: ...`` with exit status 2."""
+
+
+# --------------------------------------------------------------------------------------------- discovery
+@dataclass(frozen=True)
+class ShardRef:
+    """One rank's shard of one step in one tier (committed or not: validation is the reader's job)."""
+
+    tier: str
+    """Label of the tier: its directory relative to the path given."""
+    root: Path
+    """Directory holding the ``step_*`` directories (or the shards, for a ``Trainer.save_checkpoint`` directory)."""
+    step: int
+    rank: int
+    path: Path
+
+
+def _rank_of(path: Path) -> int:
+    match = _RANK_RE.match(path.name)
+    return int(match.group(1)) if match else -1
+
+
+def _step_from_manifest(shard: Path) -> int:
+    from lightning_resilience.checkpoint.format import read_manifest
+
+    try:
+        return read_manifest(shard).step
+    except CheckpointCorruptError:
+        return -1
+
+
+def _ranks(step_dir: Path) -> list[Path]:
+    return sorted(p for p in step_dir.iterdir() if p.is_dir() and _RANK_RE.match(p.name))
+
+
+def _tier_shards(root: Path, label: str) -> Iterator[ShardRef]:
+    for step_dir in sorted(root.iterdir()):
+        match = _STEP_RE.match(step_dir.name)
+        if match and step_dir.is_dir():
+            for shard in _ranks(step_dir):
+                yield ShardRef(label, root, int(match.group(1)), _rank_of(shard), shard)
+
+
+def _is_tier_root(path: Path) -> bool:
+    return any(_STEP_RE.match(p.name) and p.is_dir() for p in path.iterdir())
+
+
+def _is_standalone(path: Path) -> bool:
+    return any(_RANK_RE.match(p.name) and p.is_dir() for p in path.iterdir())
+
+
+def discover(path: Path) -> list[ShardRef]:
+    """Every shard under ``path``: a shard, a step directory, a tier root, a ``Trainer.save_checkpoint``
+    directory, or a directory holding several tiers (searched a few levels deep)."""
+    if not path.exists():
+        raise CliError(f"{path} does not exist")
+    if not path.is_dir():
+        raise CliError(f"{path} is not a directory")
+    if _RANK_RE.match(path.name):
+        step_match = _STEP_RE.match(path.parent.name)
+        step = int(step_match.group(1)) if step_match else _step_from_manifest(path)
+        root = path.parent.parent if step_match else path.parent
+        return [ShardRef(root.name, root, step, _rank_of(path), path)]
+    if _STEP_RE.match(path.name):
+        return [s for s in _tier_shards(path.parent, path.parent.name) if s.path.parent == path]
+    found: list[ShardRef] = []
+
+    def walk(directory: Path, depth: int) -> None:
+        label = str(directory.relative_to(path)) if directory != path else directory.name
+        if _is_tier_root(directory):
+            found.extend(_tier_shards(directory, label))
+            return
+        if _is_standalone(directory):
+            for shard in _ranks(directory):
+                found.append(ShardRef(label, directory, _step_from_manifest(shard), _rank_of(shard), shard))
+            return
+        if depth < _SEARCH_DEPTH:
+            for child in sorted(directory.iterdir()):
+                if child.is_dir() and not child.name.startswith("."):
+                    walk(child, depth + 1)
+
+    walk(path, 0)
+    return found
+
+
+def _select(
+    shards: list[ShardRef], where: Path, *, step: int | None, rank: int | None, tier: str | None
+) -> list[ShardRef]:
+    if not shards:
+        raise CliError(f"no checkpoint shards under {where}")
+    if tier is not None:
+        tiers = sorted({s.tier for s in shards})
+        shards = [s for s in shards if s.tier == tier]
+        if not shards:
+            raise CliError(f"no tier {tier!r} under {where}; tiers present: {', '.join(tiers)}")
+    if step is not None:
+        steps = sorted({s.step for s in shards})
+        shards = [s for s in shards if s.step == step]
+        if not shards:
+            raise CliError(f"step {step} not found under {where}; steps present: {steps}")
+    if rank is not None:
+        ranks = sorted({s.rank for s in shards})
+        shards = [s for s in shards if s.rank == rank]
+        if not shards:
+            raise CliError(f"rank {rank} not found for that step under {where}; ranks present: {ranks}")
+    return shards
+
+
+def _one_shard(args: argparse.Namespace) -> ShardRef:
+    """The shard that ``--step``/``--rank``/``--tier`` name (by default the newest step, the lowest rank, the first
+    tier by name)."""
+    where = Path(args.path)
+    shards = _select(discover(where), where, step=args.step, rank=None, tier=args.tier)
+    if args.step is None:
+        newest = max(s.step for s in shards)
+        shards = [s for s in shards if s.step == newest]
+    rank = min(s.rank for s in shards) if args.rank is None else args.rank  # rank 0 unless PATH is another's shard
+    chosen = [s for s in shards if s.rank == rank]
+    if not chosen:
+        raise CliError(f"rank {rank} not found for step {shards[0].step} under {where}")
+    tiers = sorted({s.tier for s in chosen})
+    if len(tiers) > 1 and args.tier is None:
+        print(f"step {chosen[0].step} is in tiers {', '.join(tiers)}; using {tiers[0]!r} (choose with --tier)")
+    return next(s for s in chosen if s.tier == tiers[0])
+
+
+# ---------------------------------------------------------------------------------------------- output
+def _console(stderr: bool = False) -> Any:
+    from rich.console import Console
+
+    # not a terminal (a pipe, a log, a test): wide enough that paths are not wrapped
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(file=stream, width=None if stream.isatty() else 200)
+
+
+def _progress(*, nbytes: bool) -> Any:
+    """A progress bar on stderr (nothing when stderr is not a terminal); ``nbytes``: the total counts bytes."""
+    from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    console = _console(stderr=True)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn() if nbytes else MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,  # a bar in a log file is noise
+    )
+
+
+def _when(created: float) -> str:
+    if not created:
+        return "-"
+    return dt.datetime.fromtimestamp(created, tz=dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _verification(meta: dict[str, Any]) -> str:
+    """Verification figures a component recorded in the manifest meta (e.g. ``sdc_verified``)."""
+    keys = [k for k in sorted(meta) if "verif" in k.lower() or k.lower().startswith("sdc")]
+    return ", ".join(f"{k}={meta[k]}" for k in keys) or "-"
+
+
+# --------------------------------------------------------------------------------------------- commands
+def cmd_ls(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from lightning_resilience.checkpoint.delta_tier import DELTA_OF
+    from lightning_resilience.checkpoint.format import read_manifest
+    from lightning_resilience.report import format_bytes
+
+    where = Path(args.path)
+    shards = discover(where)
+    if not shards:
+        raise CliError(f"no checkpoint shards under {where}")
+    console = _console()
+    by_tier: dict[str, list[ShardRef]] = {}
+    for s in shards:
+        by_tier.setdefault(s.tier, []).append(s)
+    for tier, tier_shards in by_tier.items():
+        table = Table(title=f"tier {tier}  ({tier_shards[0].root})", title_justify="left")
+        for col in ("step", "ranks present", "complete", "bytes", "kind", "created", "verification"):
+            table.add_column(col, justify="right" if col in ("step", "bytes") else "left")
+        steps: dict[int, list[ShardRef]] = {}
+        for s in tier_shards:
+            steps.setdefault(s.step, []).append(s)
+        for step, group in sorted(steps.items()):
+            committed, nbytes, kinds, world, created, verified = 0, 0, set(), set(), 0.0, "-"
+            for s in group:
+                try:
+                    m = read_manifest(s.path)
+                except CheckpointCorruptError:
+                    continue
+                committed += 1
+                nbytes += sum(int(f.get("size", 0)) for f in m.files.values())
+                kinds.add(f"delta of {m.meta[DELTA_OF]}" if DELTA_OF in m.meta else "full")
+                world.add(m.world_size)
+                created = max(created, m.created)
+                if s.rank == min(x.rank for x in group):
+                    verified = _verification(m.meta)
+            world_size = max(world) if world else 0
+            complete = committed == world_size and len(world) == 1 and len(group) == world_size
+            table.add_row(
+                str(step),
+                f"{len(group)}/{world_size or '?'}",
+                "yes" if complete else f"no ({committed} committed)",
+                format_bytes(nbytes),
+                ", ".join(sorted(kinds)) or "-",
+                _when(created),
+                verified,
+            )
+        console.print(table)
+    return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    bad = 0
-    shards = _shards(Path(args.path))
-    if not shards:
-        print(f"no checkpoint shards under {args.path}", file=sys.stderr)
-        return 2
-    for shard in shards:
+    from lightning_resilience.checkpoint.delta_tier import DELTA_OF
+    from lightning_resilience.checkpoint.format import read_manifest, validate_shard
+
+    where = Path(args.path)
+    shards = _select(discover(where), where, step=args.step, rank=None, tier=getattr(args, "tier", None))
+    sizes = {}
+    for s in shards:
         try:
-            m = validate_shard(shard)
-            print(f"OK       {shard}  step={m.step} rank={m.rank}/{m.world_size} files={len(m.files)}")
-        except CheckpointCorruptError as err:
-            bad += 1
-            print(f"CORRUPT  {err}")
-    print(f"{len(shards) - bad} valid, {bad} corrupt")
+            sizes[s.path] = sum(int(f.get("size", 0)) for f in read_manifest(s.path).files.values())
+        except CheckpointCorruptError:
+            sizes[s.path] = 0
+    bad = 0
+    worlds: dict[tuple[str, int], tuple[set[int], set[int]]] = {}
+    with _progress(nbytes=True) as progress:
+        task = progress.add_task("verifying", total=sum(sizes.values()) or None)
+        for s in shards:
+            progress.update(task, description=f"verifying {s.tier} step {s.step} rank {s.rank}")
+            try:
+                m = validate_shard(s.path)
+                if m.rank != s.rank or (s.step >= 0 and _STEP_RE.match(s.path.parent.name) and m.step != s.step):
+                    raise CheckpointCorruptError(
+                        f"{s.path}: manifest is for step {m.step} rank {m.rank}, the directory says "
+                        f"step {s.step} rank {s.rank}"
+                    )
+                base = m.meta.get(DELTA_OF)
+                if base is not None:
+                    base_shard = s.root / f"step_{int(base):012d}" / s.path.name
+                    if not (base_shard / "manifest.json").is_file():
+                        raise CheckpointCorruptError(f"{s.path}: delta against full step {base}, which is missing")
+                seen = worlds.setdefault((s.tier, s.step), (set(), set()))
+                seen[0].add(m.world_size)
+                seen[1].add(m.rank)
+                print(
+                    f"OK       {s.path}  step={m.step} rank={m.rank}/{m.world_size} files={len(m.files)}"
+                    + (f" delta_of={base}" if base is not None else ""),
+                    flush=True,
+                )
+            except CheckpointCorruptError as err:
+                bad += 1
+                print(f"CORRUPT  {err}", flush=True)
+            progress.advance(task, sizes[s.path])
+    incomplete = 0
+    for (tier, step), (world, ranks) in sorted(worlds.items()):
+        if len(world) == 1 and len(ranks) < next(iter(world)):
+            incomplete += 1
+            missing = sorted(set(range(next(iter(world)))) - ranks)
+            print(f"WARNING  tier {tier} step {step}: no valid shard here for ranks {missing} (other nodes?)")
+    print(
+        f"{len(shards) - bad} valid, {bad} corrupt" + (f", {incomplete} steps without every rank" if incomplete else "")
+    )
     return 1 if bad else 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    for shard in _shards(Path(args.path)):
-        manifest = json.loads((shard / MANIFEST).read_text()) if (shard / MANIFEST).exists() else None
-        if manifest is None:
-            print(f"{shard}: no manifest (uncommitted)")
-            continue
-        nbytes = sum(f["size"] for f in manifest["files"].values())
-        print(
-            f"{shard}: step {manifest['step']} rank {manifest['rank']}/{manifest['world_size']} "
-            f"{len(manifest['tensors'])} tensors {nbytes / 2**20:.2f} MiB versions {manifest['versions']}"
+    if args.step is None and args.rank is None and getattr(args, "listing", False):
+        return cmd_ls(args)
+    from rich.table import Table
+
+    from lightning_resilience.checkpoint.delta_tier import DELTA_OF
+    from lightning_resilience.checkpoint.format import read_manifest
+    from lightning_resilience.report import format_bytes
+
+    shard = _one_shard(args)
+    try:
+        m = read_manifest(shard.path)
+    except CheckpointCorruptError as err:
+        print(f"CORRUPT  {err}")
+        return 1
+    tensor_bytes = sum(spec.nbytes for spec in m.tensors.values())
+    file_bytes = sum(int(f.get("size", 0)) for f in m.files.values())
+    console = _console()
+    info = Table(title=f"{shard.path}", show_header=False, title_justify="left")
+    info.add_column("field", style="bold")
+    info.add_column("value")
+    rows = [
+        ("tier", shard.tier),
+        ("step", str(m.step)),
+        ("rank / world size", f"{m.rank} / {m.world_size}"),
+        ("rank layout", json.dumps(m.rank_layout, sort_keys=True)),
+        ("kind", f"delta of step {m.meta[DELTA_OF]}" if DELTA_OF in m.meta else "full"),
+        ("tensors", f"{len(m.tensors)} tensors, {format_bytes(tensor_bytes)}"),
+        ("files", f"{len(m.files)} files, {format_bytes(file_bytes)} on disk"),
+        ("created", _when(m.created)),
+        ("format", m.format),
+        ("versions", ", ".join(f"{k} {v}" for k, v in sorted(m.versions.items()))),
+        ("meta", json.dumps(m.meta, sort_keys=True)),
+    ]
+    for k, v in rows:
+        info.add_row(k, v)
+    console.print(info)
+    biggest = sorted(m.tensors.items(), key=lambda kv: kv[1].nbytes, reverse=True)
+    limit = len(biggest) if args.all_tensors else min(len(biggest), 15)
+    table = Table(title=f"tensors ({limit} of {len(biggest)}, largest first)", title_justify="left")
+    for col in ("name", "shape", "dtype", "bytes"):
+        table.add_column(col, justify="right" if col == "bytes" else "left")
+    for name, spec in biggest[:limit]:
+        table.add_row(name, str(list(spec.shape)), str(spec.dtype).removeprefix("torch."), format_bytes(spec.nbytes))
+    console.print(table)
+    return 0
+
+
+def _read_state(shard: ShardRef) -> tuple[dict[str, Any], int]:
+    """The Lightning checkpoint dict of one shard, validated and (for a delta) rebuilt from its base, and the world
+    size of the job that wrote it."""
+    from lightning_resilience.checkpoint.delta_tier import DeltaLocalTier
+    from lightning_resilience.checkpoint.format import read_manifest, read_shard
+    from lightning_resilience.checkpoint.tier import TierIdentity
+    from lightning_resilience.checkpoint.tree import unflatten_state
+
+    manifest = read_manifest(shard.path)
+    if _STEP_RE.match(shard.path.parent.name):
+        tier = DeltaLocalTier(shard.root, every_n_steps=1, keep=1, name=shard.tier)
+        # not bind(): it also sweeps this rank's temporaries, and a read-only tool must not touch a live job's files
+        tier._identity = TierIdentity(manifest.rank, manifest.world_size)
+        snap = tier.read(shard.step)
+    else:
+        _, snap = read_shard(shard.path)
+    try:
+        state = unflatten_state(snap.skeleton, snap.tensors)
+    except ValueError as err:
+        raise CliError(
+            f"{shard.path}: {err}; a sharded (FSDP, tensor-parallel) checkpoint cannot be exported from one rank's "
+            "shard"
+        ) from err
+    if not isinstance(state, dict) or "state_dict" not in state:
+        raise CliError(f"{shard.path}: not a Lightning checkpoint (no 'state_dict' in it)")
+    return state, manifest.world_size
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    out = Path(args.to)
+    suffix = out.suffix.lower()
+    if suffix not in (*_TORCH_SUFFIXES, ".safetensors"):
+        raise CliError(f"--to must end in .ckpt, .pt, .pth or .safetensors, got {out.name!r}")
+    if out.is_dir():
+        raise CliError(f"--to {out} is a directory; give a file name")
+    if suffix == ".safetensors":
+        try:
+            from safetensors.torch import save_file
+        except ImportError as err:
+            raise CliError("exporting to .safetensors needs the safetensors package: pip install safetensors") from err
+    import torch
+
+    shard = _one_shard(args)
+    with _progress(nbytes=False) as progress:
+        task = progress.add_task(f"reading step {shard.step} rank {shard.rank}", total=3)
+        try:
+            state, world_size = _read_state(shard)
+        except CheckpointCorruptError as err:
+            print(f"CORRUPT  {err}")
+            return 1
+        progress.advance(task)
+        progress.update(task, description=f"writing {out}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            if suffix == ".safetensors":
+                tensors = {
+                    k: v.detach().cpu().contiguous().clone()
+                    for k, v in state["state_dict"].items()
+                    if isinstance(v, torch.Tensor)
+                }
+                save_file(
+                    tensors, str(tmp), metadata={"step": str(shard.step), "global_step": str(_global_step(state))}
+                )
+            else:
+                torch.save(state, tmp)
+            progress.advance(task)
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+        progress.advance(task)
+    what = "model weights" if suffix == ".safetensors" else "Lightning checkpoint"
+    note = ""
+    if world_size > 1:
+        note = (
+            f" (rank {shard.rank} of a {world_size}-rank job: under DDP its model and optimizer state are the whole "
+            "state; other ranks' RNG streams and data positions are not in it)"
         )
+    print(
+        f"exported step {shard.step} (tier {shard.tier}, rank {shard.rank}, global step {_global_step(state)}) as "
+        f"{what} to {out}{note}"
+    )
+    return 0
+
+
+def _global_step(state: dict[str, Any]) -> Any:
+    return state.get("global_step", "?")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from lightning_resilience.report import load_report, render_table
+
+    try:
+        report = load_report(args.run_dir)
+    except (FileNotFoundError, ValueError) as err:
+        raise CliError(str(err)) from err
+    console = _console()
+    console.print(render_table(report))
+    if args.summaries:
+        for name, text in report.summaries.items():
+            console.print(f"[bold]{name}[/bold]")
+            console.print(text, highlight=False, markup=False)
     return 0
 
 
@@ -61,12 +458,38 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["simulate"]:  # its own parser: every flag after the word belongs to the simulator
-        from lightning_resilience.sim.cli import simulate_main
+# ----------------------------------------------------------------------------------------------- parser
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from err
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
-        return int(simulate_main(argv[1:]))
+
+def _add_verify(sub: Any, name: str, help: str) -> None:
+    p = sub.add_parser(name, help=help)
+    p.add_argument("path", help="a checkpoint root, a directory of tiers, a step or a shard directory")
+    p.add_argument("--step", type=_non_negative, default=None, help="only this step")
+    p.add_argument("--tier", default=None, help="only this tier (its directory under path)")
+    p.set_defaults(fn=cmd_verify)
+
+
+def _add_inspect(sub: Any, name: str, help: str, *, listing: bool) -> None:
+    p = sub.add_parser(name, help=help)
+    p.add_argument("path")
+    p.add_argument("--step", type=_non_negative, default=None, help="step to show (default: the newest)")
+    p.add_argument(
+        "--rank", type=_non_negative, default=None, help="rank whose manifest to show (default: the lowest present)"
+    )
+    p.add_argument("--tier", default=None, help="tier to read from when several hold the step")
+    p.add_argument("--all-tensors", action="store_true", help="list every tensor, not only the largest")
+    p.set_defaults(fn=cmd_inspect, listing=listing)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-resilience", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("simulate", help="predict ETTR and the best checkpoint interval at scale (see simulate --help)")
@@ -74,14 +497,46 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("recipe")
     run.add_argument("overrides", nargs=argparse.REMAINDER)
     run.set_defaults(fn=cmd_run)
-    verify = sub.add_parser("verify", help="validate sizes and checksums of every shard under a path")
-    verify.add_argument("path")
-    verify.set_defaults(fn=cmd_verify)
-    inspect = sub.add_parser("inspect", help="list the checkpoints under a path")
-    inspect.add_argument("path")
-    inspect.set_defaults(fn=cmd_inspect)
+
+    ckpt = sub.add_parser("ckpt", help="list, verify, inspect and export checkpoints")
+    csub = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    ls = csub.add_parser("ls", help="list tiers, steps and ranks under a checkpoint root")
+    ls.add_argument("path")
+    ls.set_defaults(fn=cmd_ls)
+    _add_verify(csub, "verify", "check sizes and xxh3 checksums of every shard; exit 1 if any is bad")
+    _add_inspect(csub, "inspect", "show one shard's manifest: tensors, meta, versions, layout", listing=False)
+    export = csub.add_parser("export", help="export a step as a plain Lightning .ckpt or model .safetensors")
+    export.add_argument("path")
+    export.add_argument("--step", type=_non_negative, default=None, help="step to export (default: the newest)")
+    export.add_argument(
+        "--rank", type=_non_negative, default=None, help="rank whose shard to export (default: the lowest present)"
+    )
+    export.add_argument("--tier", default=None, help="tier to read from when several hold the step")
+    export.add_argument("--to", required=True, help="output file: *.ckpt (or .pt, .pth) or *.safetensors")
+    export.set_defaults(fn=cmd_export)
+
+    _add_verify(sub, "verify", "same as `ckpt verify`")
+    _add_inspect(sub, "inspect", "`ckpt ls` for a path; `ckpt inspect` with --step or --rank", listing=True)
+    report = sub.add_parser("report", help="show the resilience report of a run directory")
+    report.add_argument("run_dir", help="run directory (or its resilience_report.json)")
+    report.add_argument("--summaries", action="store_true", help="also print each component's summary text")
+    report.set_defaults(fn=cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["simulate"]:  # its own parser: every flag after the word belongs to the simulator
+        from lightning_resilience.sim.cli import simulate_main
+
+        return int(simulate_main(argv[1:]))
+    parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.fn(args))
+    try:
+        return int(args.fn(args))
+    except CliError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

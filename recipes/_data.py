@@ -14,7 +14,12 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["SyntheticTokenDataModule", "SyntheticTokens"]
+__all__ = [
+    "SyntheticClassification",
+    "SyntheticClassificationDataModule",
+    "SyntheticTokenDataModule",
+    "SyntheticTokens",
+]
 
 # Multipliers are odd so the affine map is a bijection mod any power-of-two vocab (no collapse onto short cycles
 # through a single token); the small fixed set keeps the task learnable by a tiny model.
@@ -144,4 +149,58 @@ class SyntheticTokenDataModule(LightningDataModule):
             batch_size=self.batch_size,
             shuffle=False,
             num_workers=self.num_workers,
+        )
+
+
+class SyntheticClassification(Dataset[tuple[Tensor, Tensor]]):
+    """Token sequences whose class decides which band of the vocabulary half of their tokens come from.
+
+    Item ``i`` is a pure function of ``(seed, i)``: label ``y`` is drawn uniformly; each token is drawn from class
+    ``y``'s band of ``vocab_size // num_classes`` ids with probability 1/2, else uniformly. Learnable in a few
+    dozen steps by a tiny model, never trivially (every band also appears in every other class's noise).
+    """
+
+    def __init__(self, num_samples: int, seq_len: int, vocab_size: int, num_classes: int, seed: int = 0) -> None:
+        if num_classes < 2 or vocab_size < num_classes:
+            raise ValueError(f"data.num_classes must be in [2, vocab_size], got {num_classes}")
+        self.num_samples, self.seq_len, self.vocab_size = num_samples, seq_len, vocab_size
+        self.num_classes, self.seed = num_classes, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(index)
+        gen = torch.Generator().manual_seed(self.seed * _SEED_STRIDE + index)
+        label = int(torch.randint(self.num_classes, (1,), generator=gen))
+        band = self.vocab_size // self.num_classes
+        in_band = torch.randint(band, (self.seq_len,), generator=gen) + label * band
+        uniform = torch.randint(self.vocab_size, (self.seq_len,), generator=gen)
+        pick = torch.rand(self.seq_len, generator=gen) < 0.5
+        return torch.where(pick, in_band, uniform), torch.tensor(label)
+
+
+class SyntheticClassificationDataModule(LightningDataModule):
+    """Train loader over :class:`SyntheticClassification` (``loader_cls`` as in :class:`SyntheticTokenDataModule`)."""
+
+    def __init__(
+        self,
+        batch_size: int = 16,
+        num_samples: int = 1024,
+        seq_len: int = 32,
+        vocab_size: int = 256,
+        num_classes: int = 4,
+        seed: int = 1234,
+        num_workers: int = 0,
+        loader_cls: Callable[..., DataLoader[Any]] = DataLoader,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["loader_cls"])
+        self.batch_size, self.num_workers, self.loader_cls = batch_size, num_workers, loader_cls
+        self.train_dataset = SyntheticClassification(num_samples, seq_len, vocab_size, num_classes, seed=seed)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return self.loader_cls(
+            self.train_dataset, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, drop_last=True
         )

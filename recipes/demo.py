@@ -31,8 +31,8 @@ def main() -> int:
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
         "-m", "recipes.pretrain_gpt",
         f"run_dir={RUN_DIR}", f"trainer.max_steps={STEPS}", "trainer.devices=2", "trainer.strategy=resilient_ddp",
-        f"checkpoint.tiers.1.every_n_steps={LOCAL_EVERY}",
-        "drill.kind=kill", f"drill.step={KILL_AT}", "drill.rank=1", "drill.attempt=0",
+        "resilience=default", f"resilience.checkpoint.tiers.1.every_n_steps={LOCAL_EVERY}",
+        "drill=kill_rank", f"drill.step={KILL_AT}", "drill.rank=1", "drill.attempt=0",
     ]  # fmt: skip
     print("$", " ".join(cmd), flush=True)
     # a restarted rank must not read its dead peer's address from the previous attempt's store (pytorch#135712)

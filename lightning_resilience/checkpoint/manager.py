@@ -122,6 +122,7 @@ class CheckpointManager:
         self.identity = TierIdentity()
         self.stats = CheckpointStats(tiers={t.name: TierStats() for t in self.tiers})
         self._meta_providers: list[Callable[[int], dict[str, Any]]] = []
+        self._warned: set[str] = set()
         self._closed = False
 
     # ------------------------------------------------------------------ setup
@@ -147,6 +148,11 @@ class CheckpointManager:
         Other components record what they know about a step this way, e.g. whether it was verified clean.
         """
         self._meta_providers.append(provider)
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:  # the same state shape is captured every step: say it once
+            self._warned.add(message)
+            log.warning(message)
 
     def _meta(self, step: int, meta: dict[str, Any] | None) -> dict[str, Any]:
         out = dict(meta or {})
@@ -193,7 +199,7 @@ class CheckpointManager:
             else:
                 persist_now, self._deferred = persist_due, []
         if memory_due or persist_now:
-            flat = flatten_state(state(), warn=log.warning)
+            flat = flatten_state(state(), warn=self._warn_once)
             slot = self._pool.capture(
                 step, flat, self._meta(step, meta), timeout=self.config.snapshot_timeout, overlap=overlap
             )
@@ -227,7 +233,7 @@ class CheckpointManager:
         missing = [t for t in self._persistent if step not in t.list_steps()]
         if not missing:
             return
-        slot = self._pool.capture(step, flatten_state(state(), warn=log.warning), self._meta(step, meta))
+        slot = self._pool.capture(step, flatten_state(state(), warn=self._warn_once), self._meta(step, meta))
         self._worker.submit(partial(self._persist, slot, missing, protect))  # takes over our slot reference
         if not self.wait():
             log.error("final persist of step %d did not finish within %s", step, self.config.drain_timeout)

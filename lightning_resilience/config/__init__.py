@@ -9,6 +9,10 @@ from lightning_resilience.config.checkpoint import (
     RemoteTierConfig,
 )
 from lightning_resilience.config.ft import FaultToleranceConfig
+from lightning_resilience.config.policy import PolicyConfig
+from lightning_resilience.config.registry import register_configs
+from lightning_resilience.config.sdc import SDCConfig
+from lightning_resilience.config.straggler import StragglerConfig, StragglerLevelConfig
 
 __all__ = [
     "CheckpointConfig",
@@ -17,5 +21,10 @@ __all__ = [
     "LocalTierConfig",
     "MemoryTierConfig",
     "PeerTierConfig",
+    "PolicyConfig",
     "RemoteTierConfig",
+    "SDCConfig",
+    "StragglerConfig",
+    "StragglerLevelConfig",
+    "register_configs",
 ]

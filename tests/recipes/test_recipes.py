@@ -23,7 +23,13 @@ def _run(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess[str
 def test_pretrain_gpt_recipe_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     """A first run persists checkpoints (its final step too); a second run with more steps resumes from it."""
     run_dir = tmp_path / "run"
-    base = [sys.executable, "-m", "recipes.pretrain_gpt", f"run_dir={run_dir}", "checkpoint.tiers.1.every_n_steps=5"]
+    base = [
+        sys.executable,
+        "-m",
+        "recipes.pretrain_gpt",
+        f"run_dir={run_dir}",
+        "resilience.checkpoint.tiers.1.every_n_steps=5",
+    ]
     first = _run([*base, "trainer.max_steps=12"])
     assert first.returncode == 0, first.stderr[-3000:]
     second = _run([*base, "trainer.max_steps=16"])
@@ -41,7 +47,7 @@ def test_crash_drill_leaves_a_valid_checkpoint(tmp_path: Path) -> None:
     proc = _run(
         [
             sys.executable, "-m", "recipes.pretrain_gpt", f"run_dir={run_dir}", "trainer.max_steps=20",
-            "checkpoint.tiers.1.every_n_steps=4", "drill.kind=crash", "drill.step=9",
+            "resilience.checkpoint.tiers.1.every_n_steps=4", "drill=crash", "drill.step=9",
         ]
     )  # fmt: skip
     assert proc.returncode != 0 and "injected crash at step 9" in proc.stderr

@@ -35,17 +35,21 @@ class TieredCheckpoint(Callback):
     :class:`~lightning_resilience.checkpoint.ResumableDataLoader`.
 
     Args:
-        tiers: where snapshots go; each tier has its own ``every_n_steps`` and ``keep``.
+        tiers: where snapshots go (tiers, or their config dataclasses); each has its own ``every_n_steps`` and
+            ``keep``.
         resume: ``"auto"`` (newest step valid on every rank), ``"never"``, or a step number.
         config: engine behaviour (error policy, timeouts, host buffers); ``resume`` overrides its field.
     """
 
     def __init__(
-        self, tiers: Sequence[Tier], resume: str | int = "auto", config: CheckpointConfig | None = None
+        self, tiers: Sequence[Any], resume: str | int = "auto", config: CheckpointConfig | None = None
     ) -> None:
         base = config or CheckpointConfig()
         self.config = CheckpointConfig(**{**base.__dict__, "resume": str(resume)})
-        self.tiers = list(tiers)
+        # a tier's config dataclass (what Hydra builds from ``resilience/checkpoint``) stands for its tier
+        self.tiers: list[Tier] = [
+            t if isinstance(t, Tier) or not callable(getattr(t, "build", None)) else t.build() for t in tiers
+        ]
         self.manager: CheckpointManager | None = None
         self._last_step = -1
         self._pending_rng: dict[str, Any] | None = None

@@ -1,0 +1,196 @@
+"""ResilienceReportCallback: at the end of ``fit`` (or when it raises), one report of every resilience component."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
+from lightning_resilience.report import (
+    ResilienceReport,
+    assemble,
+    checkpoint_section,
+    plot,
+    render_table,
+    save_json,
+)
+from lightning_resilience.sim.from_run import REPORT_NAME
+
+__all__ = ["ResilienceReportCallback"]
+
+log = logging.getLogger(__name__)
+
+_STEP_CAP = 100_000  # step intervals kept for the median (a long run keeps its newest)
+
+
+def section_name(callback: object) -> str:
+    """``report_section`` of the callback, else its class name in snake case (``FaultTolerance`` ->
+    ``fault_tolerance``, ``SDCVerification`` -> ``sdc_verification``)."""
+    name = getattr(callback, "report_section", None)
+    if isinstance(name, str) and name:
+        return name
+    cls = type(callback).__name__
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", cls).lower()
+
+
+class ResilienceReportCallback(Callback):
+    """Collect the figures of every resilience callback at the end of ``fit`` into ``resilience_report.json``.
+
+    On global rank 0, when ``fit`` ends or raises, every callback on ``trainer.callbacks`` with a ``report()``
+    method contributes a section (named by its ``report_section`` attribute, or its class name in snake case) and
+    its ``summary()``; :class:`TieredCheckpoint` contributes the ``checkpoint`` section from its engine's counters.
+    This callback adds a ``run`` section (median optimizer step time with checkpoint blocking taken out, world
+    size, how fit ended). The report goes to ``<run_dir>/resilience_report.json`` in the schema that
+    ``lightning-resilience simulate --from-run <run_dir>`` reads; the table is printed and PNGs are drawn when
+    matplotlib is installed. Put it last in ``callbacks`` so the others have settled their figures first.
+
+    Example::
+
+        Trainer(callbacks=[FaultTolerance(cfg), TieredCheckpoint(tiers), ResilienceReportCallback("runs/demo")])
+
+    Args:
+        run_dir: where the report goes; default ``<trainer.default_root_dir>/resilience``.
+        print_table: print the rich table on rank 0.
+        plots: write PNGs next to the report (skipped without matplotlib).
+        clock: monotonic seconds, injectable for tests.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str] | None = None,
+        print_table: bool = True,
+        plots: bool = True,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.print_table = print_table
+        self.plots = plots
+        self._clock = clock
+        self.last_report: ResilienceReport | None = None
+        self.path: Path | None = None
+        self.plot_files: list[Path] = []
+        self._step_seconds: list[float] = []
+        self._timeline: list[tuple[int, float]] = []
+        self._mark: tuple[int, float, float, int] | None = None  # step, time, blocking seconds, captures
+        self._written = False
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.last_report, self.path, self.plot_files = None, None, []
+        self._step_seconds, self._timeline, self._mark, self._written = [], [], None, False
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if self._mark is not None and self._mark[0] == step:
+            return  # the next micro-batch of the same optimizer step
+        now = self._clock()
+        blocking, captures = _checkpoint_counters(trainer)
+        if self._mark is not None:
+            _, prev_t, prev_blocking, prev_captures = self._mark
+            blocked = max(blocking - prev_blocking, 0.0)
+            # the interval from one step's start to the next, less the time checkpointing held the loop
+            self._step_seconds.append(max(now - prev_t - blocked, 0.0))
+            if len(self._step_seconds) > _STEP_CAP:
+                del self._step_seconds[: _STEP_CAP // 10]
+            if captures > prev_captures:
+                self._timeline.append((step, blocked))
+        self._mark = (step, now, blocking, captures)
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._finish(trainer, "finished")
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        try:
+            self._finish(trainer, f"exception: {type(exception).__name__}: {exception}"[:500])
+        except Exception as err:  # the training exception is what the user must see
+            log.error("could not write the resilience report: %s", err)
+
+    # ------------------------------------------------------------------ report
+    def _finish(self, trainer: Trainer, status: str) -> None:
+        if self._written or not trainer.is_global_zero:
+            return
+        self._written = True
+        self.last_report = self.collect(trainer, status)
+        run_dir = self.run_dir or Path(trainer.default_root_dir) / "resilience"
+        self.path = save_json(self.last_report, run_dir / REPORT_NAME)
+        if self.plots:
+            self.plot_files = plot(self.last_report, run_dir)
+        if self.print_table:
+            from rich.console import Console
+
+            Console().print(render_table(self.last_report))
+        log.info("resilience report written to %s", self.path)
+
+    def collect(self, trainer: Trainer, status: str = "running") -> ResilienceReport:
+        """Assemble the report from the callbacks on ``trainer`` now (any rank; nothing written)."""
+        sections: dict[str, dict[str, Any]] = {}
+        summaries: dict[str, str] = {}
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
+            if cb is self:
+                continue
+            if isinstance(cb, TieredCheckpoint):
+                if cb.manager is not None:
+                    sections["checkpoint"] = checkpoint_section(
+                        cb.manager.stats, cb.manager.tiers, restores=cb.restores, blocking_timeline=self._timeline
+                    )
+                    summaries["checkpoint"] = cb.summary()
+                continue
+            report = getattr(cb, "report", None)
+            if not callable(report):
+                continue
+            name = section_name(cb)
+            try:
+                value = report()
+                sections[name] = dict(value) if isinstance(value, dict) else {"value": value}
+            except Exception as err:  # one component's broken report must not lose the others
+                sections[name] = {"error": f"{type(err).__name__}: {err}"}
+            summary = getattr(cb, "summary", None)
+            if callable(summary):
+                try:
+                    summaries[name] = str(summary())
+                except Exception as err:
+                    summaries[name] = f"summary failed: {type(err).__name__}: {err}"
+        median = statistics.median(self._step_seconds) if self._step_seconds else None
+        sections["run"] = {
+            "status": status,
+            "global_step": trainer.global_step,
+            "world_size": trainer.world_size,
+            "num_nodes": trainer.num_nodes,
+            "devices_per_node": trainer.num_devices,
+            "steps_timed": len(self._step_seconds),
+            "step_seconds_median": median,
+            "step_seconds_mean": statistics.fmean(self._step_seconds) if self._step_seconds else None,
+        }
+        return assemble(
+            sections,
+            summaries=summaries,
+            step_seconds=median,
+            gpus=trainer.world_size,
+            gpus_per_node=trainer.num_devices,
+        )
+
+
+def _checkpoint_counters(trainer: Trainer) -> tuple[float, int]:
+    """Seconds checkpointing has blocked the loop so far and snapshots taken, summed over our checkpoint callbacks."""
+    blocking, captures = 0.0, 0
+    for cb in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(cb, TieredCheckpoint) and cb.manager is not None:
+            blocking += cb.manager.stats.capture_seconds
+            captures += cb.manager.stats.captures
+    return blocking, captures

@@ -1,0 +1,340 @@
+"""SDCVerification: silent data corruption checks on every training step (guards), at a cadence (dual-run replay of
+local gradients, cross-replica reconciliation), with in-place recomputation of a corrupt gradient and a stop with a
+verified rollback step when the state itself is corrupt."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_resilience.config.sdc import SDCConfig
+from lightning_resilience.lightning.callbacks.policy import find_policy
+from lightning_resilience.policy import Action as PolicyAction
+from lightning_resilience.policy import Event
+from lightning_resilience.sdc.monitor import SDCMonitor, SDCStats, StepOutcome
+from lightning_resilience.sdc.verdict import SDC_EXIT_CODE, SDCEvent, SilentDataCorruptionError, Verdict
+
+__all__ = ["VERDICT_FILE", "SDCVerification"]
+
+log = logging.getLogger(__name__)
+
+VERDICT_FILE = "sdc_verdict.json"
+
+
+class SDCVerification(Callback):
+    """Detect silent data corruption, fix it in place when caught before the optimizer step, otherwise stop the fit
+    and name the step to roll back to.
+
+    Example::
+
+        sdc = SDCVerification(SDCConfig(replay_every_n_steps=100, reconcile_every_n_steps=50, run_dir="runs/17"))
+        ckpt = TieredCheckpoint(tiers)
+        Trainer(callbacks=[sdc, ckpt]).fit(model, data)
+        if sdc.rollback_step is not None:   # corrupt state: start again from the newest verified checkpoint
+            Trainer(callbacks=[SDCVerification(...), TieredCheckpoint(tiers, resume=sdc.rollback_step)]).fit(...)
+
+    A :class:`~lightning_resilience.lightning.callbacks.TieredCheckpoint` in the same Trainer gets
+    ``{"sdc_verified": bool}`` in each snapshot's metadata, and its committed steps are the rollback candidates.
+    Replays call ``pl_module.training_step`` on the saved batch (its ``self.log`` calls are muted during a replay);
+    automatic optimization without gradient accumulation is required.
+
+    Args:
+        config: what to check, how often, and what to do.
+    """
+
+    def __init__(self, config: SDCConfig | None = None) -> None:
+        self.config = config or SDCConfig()
+        self.monitor: SDCMonitor | None = None
+        self.rollback_step: int | None = None
+        """Set when the fit was stopped for corrupt state: the newest committed step verified clean (None with
+        ``stopped`` True: no verified checkpoint, start again from scratch)."""
+        self.stopped = False
+        self._batch_idx = 0
+        self._handles: list[Any] = []
+        self._pending_error: SilentDataCorruptionError | None = None
+        self._trainer: Trainer | None = None
+        self._logged_events = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        # spawn launchers pickle callbacks: the engine (process group, hooks) is per process and rebuilt in setup
+        state = self.__dict__.copy()
+        state.update(monitor=None, _handles=[], _trainer=None)
+        return state
+
+    @property
+    def stats(self) -> SDCStats:
+        if self.monitor is None:
+            raise RuntimeError("SDCVerification has not been set up by a Trainer yet")
+        return self.monitor.stats
+
+    @property
+    def events(self) -> list[SDCEvent]:
+        return [] if self.monitor is None else list(self.monitor.events)
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.monitor = SDCMonitor(list(pl_module.named_parameters()), [], self.config)
+        self.monitor.setup()  # collective over the job's ranks: every rank runs setup
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        assert self.monitor is not None
+        if not pl_module.automatic_optimization or trainer.accumulate_grad_batches != 1:
+            raise ValueError("SDCVerification replays one optimizer step per batch: use automatic optimization "
+                             "with accumulate_grad_batches=1")  # fmt: skip
+        self._trainer = trainer
+        optimizers = list(trainer.optimizers)
+        self.monitor.optimizers = optimizers
+        self.monitor.reconciler.optimizers = optimizers
+        wrapped = trainer.strategy.model
+        ddp = wrapped if isinstance(wrapped, DistributedDataParallel) else None
+
+        def replay_loss(batch: Any) -> torch.Tensor:
+            with _muted_logging(pl_module):
+                return _loss_of(pl_module.training_step(batch, self._batch_idx))
+
+        def synced_loss(batch: Any) -> torch.Tensor:
+            assert ddp is not None
+            with _muted_logging(pl_module):
+                # through the DDP forward (so the reducer expects this backward), redirected to training_step
+                return _loss_of(trainer.strategy.training_step(batch, self._batch_idx))
+
+        device = pl_module.device
+        self.monitor.attach(
+            replay_loss,
+            ddp=ddp,
+            synced_loss_fn=synced_loss if ddp is not None else None,
+            to_device=lambda t: t.to(device),
+        )
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
+            manager = getattr(cb, "manager", None)
+            if manager is not None and hasattr(manager, "add_meta_provider"):
+                manager.add_meta_provider(self.monitor.meta)
+        # runs inside optimizer.step(), so before any on_train_batch_end (a snapshot sees this step's verdict)
+        self._handles = [opt.register_step_post_hook(self._after_optimizer_step) for opt in optimizers]
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        assert self.monitor is not None
+        self.monitor.verified_steps.add(trainer.global_step)  # the start (fresh or a chosen resume) is trusted
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        assert self.monitor is not None
+        self._batch_idx = batch_idx
+        self.monitor.begin_step(trainer.global_step, batch)
+
+    @override
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        assert self.monitor is not None
+        self.monitor.observe_loss(loss)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        assert self.monitor is not None
+        if not self.stopped:
+            self._respond(trainer, self.monitor.before_optimizer_step())
+
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.monitor is not None and self._trainer is not None and not self.stopped:
+            self._respond(self._trainer, self.monitor.after_optimizer_step())
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        assert self.monitor is not None
+        events = self.monitor.events
+        if trainer.loggers and (len(events) > self._logged_events or self.monitor.stats.replay_rounds):
+            s = self.monitor.stats
+            pl_module.log_dict(
+                {
+                    "resilience/sdc/detections": float(sum(s.detections.values())),
+                    "resilience/sdc/recomputed": float(s.recomputed),
+                    "resilience/sdc/replays": float(s.replays),
+                    "resilience/sdc/guard_fires": float(sum(s.guard_fired.values())),
+                    "resilience/sdc/verified_step": float(max(self.monitor.verified_steps)),
+                },
+                on_step=True,
+                on_epoch=False,
+                logger=True,
+                prog_bar=False,
+            )
+        self._logged_events = len(events)
+        if self._pending_error is not None:
+            error, self._pending_error = self._pending_error, None
+            raise error
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self.monitor is not None:
+            self.monitor.close()
+
+    # --------------------------------------------------------------- response
+    def _respond(self, trainer: Trainer, outcome: StepOutcome) -> None:
+        assert self.monitor is not None
+        if not outcome.needs_rollback:
+            return
+        # the verdict is the same on every rank (computed from gathered data): so is everything below
+        committed = self._committed_steps(trainer)
+        self.rollback_step = self.monitor.rollback_target(committed)
+        verdicts = {e.verdict for e in outcome.events}
+        policy = find_policy(trainer)
+        if policy is not None:  # one policy decides for every detector (its mapping may only alert)
+            detail = (
+                f"{', '.join(sorted(v.value for v in verdicts))} at step {outcome.step}, suspects {outcome.suspects}"
+            )
+            action = policy.post(
+                Event.SDC_MISMATCH, outcome.step, trainer.global_rank, detail, source="sdc", exit_code=SDC_EXIT_CODE
+            )
+            policy.note_rollback_step(self.rollback_step)
+            self._write_verdict(trainer, outcome, stop=False)
+            if action not in (PolicyAction.ROLLBACK, PolicyAction.CHECKPOINT_AND_STOP):
+                log.error("silent data corruption at step %d (%s): training continues (policy)", outcome.step, detail)
+                return
+            self.stopped = True  # the policy stops the fit at this step's end
+            return
+        self.stopped = True
+        trainer.should_stop = True
+        unfixable_device = bool(verdicts & {Verdict.PERSISTENT, Verdict.UNRESOLVED})
+        stop = self.config.stop_on_suspect and unfixable_device
+        self._write_verdict(trainer, outcome, stop)
+        log.error(
+            "silent data corruption at step %d (%s), suspects %s: stopping; restart from verified step %s",
+            outcome.step, ", ".join(sorted(v.value for v in verdicts)), outcome.suspects, self.rollback_step,
+        )  # fmt: skip
+        if stop:
+            self._pending_error = SilentDataCorruptionError(
+                f"a device computes wrong results (ranks {outcome.suspects}): exclude it and restart from step "
+                f"{self.rollback_step} (exit code {SDC_EXIT_CODE})",
+                verdict=Verdict.PERSISTENT if Verdict.PERSISTENT in verdicts else Verdict.UNRESOLVED,
+                step=outcome.step,
+                suspects=outcome.suspects,
+                rollback_step=self.rollback_step,
+            )
+
+    def _committed_steps(self, trainer: Trainer) -> list[int]:
+        steps: set[int] = set()
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
+            manager = getattr(cb, "manager", None)
+            if manager is None or not hasattr(manager, "steps"):
+                continue
+            manager.wait()  # a persist in flight may be the verified step we want
+            for tier, tier_steps in manager.steps().items():
+                if self.config.rollback_tiers is None or tier in self.config.rollback_tiers:
+                    steps.update(tier_steps)
+        return sorted(steps)
+
+    def _write_verdict(self, trainer: Trainer, outcome: StepOutcome, stop: bool) -> None:
+        if self.config.run_dir is None or not trainer.is_global_zero:
+            return
+        assert self.monitor is not None
+        hosts = self.monitor.hosts
+        payload = {
+            "step": outcome.step,
+            "verdicts": sorted({e.verdict.value for e in outcome.events}),
+            "suspects": [{"rank": r, "host": hosts[r] if r < len(hosts) else None} for r in outcome.suspects],
+            "rollback_step": self.rollback_step,
+            "exit_code": SDC_EXIT_CODE if stop else None,
+            "events": [e.to_json() for e in self.monitor.events],
+        }
+        root = Path(self.config.run_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / (VERDICT_FILE + ".tmp")
+        tmp.write_text(json.dumps(payload, indent=1))
+        os.replace(tmp, root / VERDICT_FILE)
+
+    # ----------------------------------------------------------------- state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.monitor is None else self.monitor.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.monitor is not None:
+            self.monitor.load_state_dict(state_dict)
+
+    # ----------------------------------------------------------------- report
+    def report(self) -> dict[str, Any]:
+        """JSON-able figures for the machine-readable end-of-run report."""
+        if self.monitor is None:
+            return {"ran": False}
+        s = self.monitor.stats
+        return {
+            "ran": True,
+            "steps": s.steps,
+            "guard_fired": dict(s.guard_fired),
+            "replay_rounds": s.replay_rounds,
+            "replays": s.replays,
+            "reconcile_rounds": s.reconcile_rounds,
+            "detections": dict(s.detections),
+            "recomputed": s.recomputed,
+            "seconds": {
+                "guards": s.guard_seconds,
+                "replay": s.replay_seconds,
+                "reconcile": s.reconcile_seconds,
+                "ddp_fingerprint": s.fingerprint_seconds,
+            },
+            "suspects": {str(k): v for k, v in self.monitor.suspects.items()},
+            "newest_verified_step": max(self.monitor.verified_steps),
+            "stopped": self.stopped,
+            "rollback_step": self.rollback_step,
+            "events": [e.to_json() for e in self.monitor.events],
+        }
+
+    def summary(self) -> str:
+        """A short human-readable account of what was checked, found and done."""
+        if self.monitor is None:
+            return "sdc verification: not run"
+        s = self.monitor.stats
+        lines = [
+            f"sdc verification: {s.steps} steps guarded, {s.replay_rounds} replay rounds ({s.replays} replays), "
+            f"{s.reconcile_rounds} reconciliations; detections {dict(s.detections) or 'none'}, "
+            f"recomputed in place {s.recomputed}",
+        ]
+        for e in self.monitor.events:
+            lines.append(f"  step {e.step}: {e.verdict.value} by {e.mechanism}, suspects {e.suspects}, {e.action}")
+        if self.stopped:
+            lines.append(f"  stopped: restart from verified step {self.rollback_step}")
+        return "\n".join(lines)
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    loss = output["loss"] if isinstance(output, dict) else output
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"SDC replay needs training_step to return a loss tensor, got {type(output).__name__}")
+    return loss
+
+
+@contextlib.contextmanager
+def _muted_logging(pl_module: LightningModule) -> Iterator[None]:
+    """A replay recomputes training_step: its self.log calls must not count twice."""
+
+    def mute(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    pl_module.log, pl_module.log_dict = mute, mute  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del pl_module.log, pl_module.log_dict

@@ -1,0 +1,265 @@
+"""StragglerDetection: time every training step on every rank, find the rank that slows the job down, and act on it
+(log, alert, exclude through a user hook, or checkpoint and stop with a distinct exit code)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from lightning_resilience.config.straggler import StragglerConfig
+from lightning_resilience.lightning._trainer_state import dump_trainer_state
+from lightning_resilience.lightning.callbacks.policy import find_policy
+from lightning_resilience.policy import Event
+from lightning_resilience.straggler.detector import StragglerDetector
+from lightning_resilience.straggler.policy import STRAGGLER_EXIT_CODE, Action, Decision, Verdict
+
+__all__ = ["STRAGGLER_EXIT_CODE", "StragglerDetection"]
+
+log = logging.getLogger(__name__)
+
+FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+
+
+class StragglerDetection(Callback):
+    """Per-rank step timing, cross-rank scores and change-point verdicts, with an action ladder.
+
+    The callback times the whole batch (``on_train_batch_start`` to ``on_train_batch_end``) and, from the hooks
+    Lightning calls inside it, the sections ``forward`` (to ``on_before_backward``), ``backward`` (to
+    ``on_after_backward``) and ``optimizer`` (``on_before_optimizer_step`` to the batch end); the wait for data is
+    the time from one batch end to the next batch start. Add your own sections with ``with callback.section("x"):``
+    and list the series to test in ``StragglerConfig.sections``. Under DDP the gradient all-reduce makes whole-step
+    times equal on all ranks, so test ``forward`` (or ``optimizer``, ``data``) to name the slow rank::
+
+        detector = StragglerDetection(StragglerConfig(sections=["step", "forward"], levels=[
+            StragglerLevelConfig(action="alert", slowdown=1.2, persist_steps=5),
+            StragglerLevelConfig(action="stop", slowdown=1.5, persist_steps=50)]))
+        trainer = Trainer(callbacks=[TieredCheckpoint(tiers=...), detector])
+        trainer.fit(model)
+        sys.exit(detector.exit_code or 0)  # STRAGGLER_EXIT_CODE after a 'stop' decision: restart without the node
+
+    On a 'stop' decision every rank (they all decide at the same step, from the same gathered timings) persists the
+    current step through the ``TieredCheckpoint`` among the trainer's callbacks, if any, then sets
+    ``trainer.should_stop`` and records :data:`STRAGGLER_EXIT_CODE` in ``exit_code``.
+
+    Args:
+        config: detection, cadence and ladder settings.
+        exclude_hook: called on every rank with the verdict when an 'exclude' level fires.
+        plot_path: where rank 0 writes a PNG of per-rank step times at the end of fit (needs matplotlib).
+        max_logged_ranks: per-rank score metrics are logged for at most this many ranks.
+        clock: host clock for the timings (tests inject a fake one; must be picklable under ddp_spawn).
+    """
+
+    def __init__(
+        self,
+        config: StragglerConfig | None = None,
+        *,
+        exclude_hook: Callable[[Verdict], None] | None = None,
+        plot_path: str | Path | None = None,
+        max_logged_ranks: int = 64,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.config = config or StragglerConfig()
+        if any(lvl.action == "exclude" for lvl in self.config.levels) and exclude_hook is None:
+            raise ValueError("straggler.levels has an 'exclude' level but no exclude_hook was given")
+        self.exclude_hook = exclude_hook
+        self.plot_path = Path(plot_path) if plot_path is not None else None
+        self.max_logged_ranks = max_logged_ranks
+        self.clock = clock
+        self.detector: StragglerDetector | None = None
+        self.exit_code: int | None = None
+        self._posted = False
+        self.stopped_at_step: int | None = None
+        self.checkpointed_at_stop = False
+        self.plot_file: Path | None = None
+        self._gathers_logged = 0
+        self._previous: list[dict[str, Any]] = []  # decisions of earlier runs of this job (from a checkpoint)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # spawn launchers pickle callbacks: the detector (process group, profiler) is per process, rebuilt in setup
+        state = self.__dict__.copy()
+        state["detector"] = None
+        return state
+
+    # ------------------------------------------------------------------ user sections
+    def section(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Time a named part of the step: ``with callback.section("data_aug"): ...`` (a no-op before fit)."""
+        if self.detector is None:
+            return contextlib.nullcontext()
+        return self.detector.section(name)
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        distributed = dist.is_available() and dist.is_initialized() and trainer.world_size > 1
+        kwargs: dict[str, Any] = {"clock": self.clock, "exclude_hook": self.exclude_hook}
+        if distributed:
+            self.detector = StragglerDetector.from_process_group(self.config, **kwargs)  # collective: all ranks
+        else:
+            self.detector = StragglerDetector(self.config, **kwargs)
+
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.detector is not None:
+            self.detector.timer.reset_data_wait()  # the dataloader restarts: not a data stall
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.detector is not None:
+            self.detector.timer.reset_data_wait()  # validation time is not a wait for training data
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.detector is None:
+            return
+        self.detector.start_step()
+        self.detector.begin(FORWARD)
+
+    @override
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
+        if self.detector is not None:
+            self.detector.end(FORWARD)
+            self.detector.begin(BACKWARD)
+
+    @override
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.detector is not None:
+            self.detector.end(BACKWARD)
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if self.detector is not None:
+            self.detector.begin(OPTIMIZER)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        detector = self.detector
+        if detector is None:
+            return
+        detector.end(FORWARD)  # manual optimization calls none of the hooks in between: the batch is all forward
+        decisions = detector.end_step(trainer.global_step)  # collective at gather steps
+        if detector.gathers != self._gathers_logged:
+            self._gathers_logged = detector.gathers
+            self._log_metrics(trainer, pl_module, decisions)
+        if detector.should_stop and self.exit_code is None and not self._posted:
+            assert detector.stop_decision is not None
+            policy = find_policy(trainer)
+            if policy is None:
+                self._checkpoint_and_stop(trainer, detector.stop_decision)
+            else:  # one policy decides for every detector (it may only alert, per its mapping)
+                verdict = detector.stop_decision.verdict
+                detail = f"rank {verdict.rank} ({verdict.node}) {verdict.slowdown:.2f}x slower in '{verdict.section}'"
+                policy.post(
+                    Event.STRAGGLER, trainer.global_step, trainer.global_rank, detail, source="straggler",
+                    exit_code=STRAGGLER_EXIT_CODE,
+                )  # fmt: skip
+                self._posted = True
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._close()
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.plot_path is not None and self.detector is not None and trainer.is_global_zero:
+            self.plot_file = self.detector.plot(self.plot_path)
+        self._close()
+
+    def _close(self) -> None:
+        if self.detector is not None:
+            self.detector.close()
+
+    # ------------------------------------------------------------------ actions
+    def _checkpoint_and_stop(self, trainer: Trainer, decision: Decision) -> None:
+        from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
+
+        step = trainer.global_step
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        ckpt = next((cb for cb in callbacks if isinstance(cb, TieredCheckpoint)), None)
+        if ckpt is not None and ckpt.manager is not None:
+            verdict = decision.verdict
+            meta = {"epoch": trainer.current_epoch, "reason": "straggler", "rank": verdict.rank, "node": verdict.node}
+            ckpt.manager.flush(step, lambda: dump_trainer_state(trainer), meta=meta)  # collective: all ranks are here
+            self.checkpointed_at_stop = True
+        elif trainer.is_global_zero:
+            log.warning("straggler: stopping without a checkpoint (no TieredCheckpoint among the callbacks)")
+        trainer.should_stop = True
+        self.exit_code = STRAGGLER_EXIT_CODE
+        self.stopped_at_step = step
+
+    def _log_metrics(self, trainer: Trainer, pl_module: LightningModule, decisions: list[Decision]) -> None:
+        detector = self.detector
+        assert detector is not None
+        metrics: dict[str, float] = {}
+        for name in detector.sections:
+            scores = detector.scores(name)
+            rel = scores["relative"] if detector.mode == "relative" else scores["individual"]
+            finite = [(v, r) for r, v in enumerate(rel) if math.isfinite(v)]
+            if not finite:
+                continue
+            worst, worst_rank = max(finite)
+            metrics[f"resilience/straggler/{name}/slowest_rank"] = float(worst_rank)
+            metrics[f"resilience/straggler/{name}/max_score"] = worst
+            for v, r in finite:
+                if r < self.max_logged_ranks:
+                    metrics[f"resilience/straggler/{name}/score/rank_{r}"] = v
+        metrics["resilience/straggler/verdicts"] = float(len(detector.verdicts))
+        metrics["resilience/straggler/active"] = float(len(detector.active))
+        metrics["resilience/straggler/alerts"] = float(sum(d.action is Action.ALERT for d in detector.decisions))
+        metrics["resilience/straggler/new_decisions"] = float(len(decisions))
+        # identical on every rank (computed from the same gathered timings): no sync needed
+        logger = bool(trainer.loggers)
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, logger=logger, prog_bar=False, sync_dist=False)
+
+    # ------------------------------------------------------------------ state and report
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        decisions = [d.to_dict() for d in self.detector.decisions] if self.detector is not None else []
+        return {"decisions": (self._previous + decisions)[-100:]}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._previous = list(state_dict.get("decisions", []))
+
+    def summary(self) -> str:
+        """A compact table of the slowest ranks and the decisions taken, for the end-of-run report."""
+        if self.detector is None:
+            return "straggler detection: not run"
+        lines = [self.detector.summary()]
+        if self.exit_code is not None:
+            lines.append(
+                f"  stopped at step {self.stopped_at_step} with exit code {self.exit_code} "
+                f"({'checkpointed' if self.checkpointed_at_stop else 'no checkpoint'})"
+            )
+        if self._previous:
+            lines.append(f"  earlier runs of this job took {len(self._previous)} action(s)")
+        if self.plot_file is not None:
+            lines.append(f"  plot: {self.plot_file}")
+        return "\n".join(lines)
+
+    def report(self) -> dict[str, Any]:
+        """JSON-able figures for the machine-readable report."""
+        out: dict[str, Any] = self.detector.report() if self.detector is not None else {"run": False}
+        out.update(
+            {
+                "exit_code": self.exit_code,
+                "stopped_at_step": self.stopped_at_step,
+                "checkpointed_at_stop": self.checkpointed_at_stop,
+                "previous_decisions": list(self._previous),
+                "plot": str(self.plot_file) if self.plot_file is not None else None,
+            }
+        )
+        return out

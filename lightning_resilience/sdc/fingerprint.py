@@ -1,0 +1,133 @@
+"""Cheap tensor digests: a few numbers per tensor that change when any bit of the tensor changes.
+
+A bitwise digest views the raw bits of each element as a signed integer of the same width and keeps three wrapping
+int64 sums over the tensor laid out as rows of 256 elements: of all the integers, of the row sums weighted by row
+number, and of the column sums weighted by column number (two reads of the tensor, no copy). Flipping bit ``k`` of
+one element moves the first sum by exactly ``±2**k`` (never 0 mod 2**64), so every single-bit flip changes the
+digest, whatever the dtype; the weighted sums move by that amount times the element's row and column, so two
+different corruptions (the same bit of two elements) do not share a digest, which a vote between corrupted opinions
+needs. Digests are per tensor: compare a DDP bucket's content through the gradient views it holds, not as one buffer.
+
+A tolerance digest (for kernels that are not bitwise reproducible) keeps the float64 sum, sum of squares and largest
+magnitude instead; two digests match when they are close within ``rtol``/``atol``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+__all__ = ["BitwiseDigest", "Digest", "ToleranceDigest", "make_digest"]
+
+_INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class Digest(Protocol):
+    """Computes, combines and compares per-tensor digests (rows of a ``[n, width]`` tensor)."""
+
+    width: int
+
+    def compute(self, tensor: torch.Tensor | None) -> torch.Tensor:
+        """The digest of one tensor, shape ``[width]`` on the CPU; ``None`` (no gradient) digests as zeros."""
+        ...
+
+    def combine(self, rows: torch.Tensor) -> torch.Tensor:
+        """The digest of the concatenation of the tensors whose digests are ``rows`` (``[n, width]``)."""
+        ...
+
+    def equal(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Whether two digests (or two stacks of digests) say the tensors are the same."""
+        ...
+
+
+def _int_view(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.dtype == torch.bool:
+        return flat.to(torch.int8)
+    return flat.view(_INT_OF_WIDTH[flat.element_size()])
+
+
+class BitwiseDigest:
+    """Three wrapping int64 sums of the raw bits read as integers: plain, row-weighted and column-weighted."""
+
+    width = 3
+    row = 256
+
+    def compute(self, tensor: torch.Tensor | None) -> torch.Tensor:
+        if tensor is None or tensor.numel() == 0:
+            return torch.zeros(self.width, dtype=torch.int64)
+        ints = _int_view(tensor)
+        n, dev = ints.numel(), ints.device
+        full = n - n % self.row
+        total = torch.zeros((), dtype=torch.int64, device=dev)
+        by_row = torch.zeros((), dtype=torch.int64, device=dev)
+        by_col = torch.zeros((), dtype=torch.int64, device=dev)
+        if full:
+            grid = ints[:full].view(-1, self.row)
+            rows = grid.sum(dim=1, dtype=torch.int64)
+            cols = grid.sum(dim=0, dtype=torch.int64)
+            total = rows.sum()
+            by_row = (rows * torch.arange(1, rows.numel() + 1, device=dev)).sum()
+            by_col = (cols * torch.arange(1, self.row + 1, device=dev)).sum()
+        if full < n:  # the last, partial row
+            tail = ints[full:].to(torch.int64)
+            total = total + tail.sum()
+            by_row = by_row + tail.sum() * (full // self.row + 1)
+            by_col = by_col + (tail * torch.arange(1, n - full + 1, device=dev)).sum()
+        return torch.stack([total, by_row, by_col]).cpu()
+
+    def combine(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.sum(dim=0)  # only for a summary: position weights are per tensor
+
+    def equal(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+class ToleranceDigest:
+    """Float64 sum, sum of squares and largest magnitude; equal within ``rtol``/``atol`` (NaN equals NaN)."""
+
+    width = 3
+
+    def __init__(self, rtol: float = 1e-5, atol: float = 1e-8) -> None:
+        self.rtol = rtol
+        self.atol = atol
+
+    def compute(self, tensor: torch.Tensor | None) -> torch.Tensor:
+        if tensor is None or tensor.numel() == 0:
+            return torch.zeros(self.width, dtype=torch.float64)
+        x = tensor.detach().reshape(-1).to(torch.float64)
+        return torch.stack([x.sum(), x.square().sum(), x.abs().max()]).cpu()
+
+    def combine(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.stack([rows[:, 0].sum(), rows[:, 1].sum(), rows[:, 2].max()])
+
+    def equal(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and bool(torch.isclose(a, b, rtol=self.rtol, atol=self.atol, equal_nan=True).all())
+
+
+def make_digest(compare: str, rtol: float = 1e-5, atol: float = 1e-8) -> BitwiseDigest | ToleranceDigest:
+    """The digest for ``sdc.compare`` ('bitwise' or 'tolerance')."""
+    if compare == "bitwise":
+        return BitwiseDigest()
+    if compare == "tolerance":
+        return ToleranceDigest(rtol, atol)
+    raise ValueError(f"sdc.compare must be 'bitwise' or 'tolerance', got {compare!r}")
+
+
+def digest_all(digest: Digest, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """Digests of several tensors, stacked: ``[len(tensors), digest.width]``."""
+    if not tensors:
+        return torch.zeros(0, digest.width)
+    return torch.stack([digest.compute(t) for t in tensors])
+
+
+def group_rows(digest: Digest, rows: torch.Tensor, groups: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Combine per-tensor digests into per-group digests (e.g. parameters into their DDP buckets)."""
+    return torch.stack([digest.combine(rows[list(g)]) for g in groups])
+
+
+__all__ += ["digest_all", "group_rows"]

@@ -1,0 +1,65 @@
+"""Verdicts of SDC verification, the events that carry them, and the error raised when training must not go on."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+__all__ = ["SDC_EXIT_CODE", "SDCEvent", "SilentDataCorruptionError", "Verdict"]
+
+SDC_EXIT_CODE = 84
+"""Exit code of a run stopped because a device computes wrong results: the launcher should exclude the node."""
+
+
+class Verdict(str, Enum):
+    """What a check concluded about one step."""
+
+    CLEAN = "clean"
+    """Every opinion agreed."""
+    ANOMALY = "anomaly"
+    """A guard fired but the replay reproduced the step bit for bit: the data or the model did it, not the device."""
+    TRANSIENT = "transient"
+    """A rank computed a wrong result once; its own replay and the others agree on another one."""
+    PERSISTENT = "persistent"
+    """A rank reproduces a result that other ranks do not: a faulty device."""
+    DIVERGED = "diverged"
+    """Replicas hold different parameters or optimizer state after the optimizer step."""
+    UNRESOLVED = "unresolved"
+    """Opinions disagree and no majority names a rank (e.g. two replicas, nothing to break the tie)."""
+
+
+@dataclass
+class SDCEvent:
+    """One detection: where, by what, which ranks are suspect, and what was done about it."""
+
+    step: int
+    mechanism: str
+    """'guard:<name>', 'replay' or 'reconcile'."""
+    verdict: Verdict
+    suspects: list[int] = field(default_factory=list)
+    action: str = "none"
+    """'none', 'recomputed' (fixed in place before the optimizer step), 'rollback' or 'stop'."""
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["verdict"] = self.verdict.value
+        return out
+
+
+class SilentDataCorruptionError(RuntimeError):
+    """Training state is corrupt and cannot be fixed in place.
+
+    Restart from ``rollback_step`` (the newest checkpoint verified clean) after excluding the ``suspects``;
+    ``exit_code`` is what a launcher should see.
+    """
+
+    exit_code = SDC_EXIT_CODE
+
+    def __init__(self, message: str, *, verdict: Verdict, step: int, suspects: list[int], rollback_step: int | None):
+        super().__init__(message)
+        self.verdict = verdict
+        self.step = step
+        self.suspects = suspects
+        self.rollback_step = rollback_step

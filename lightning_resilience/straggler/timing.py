@@ -1,0 +1,187 @@
+"""Per-rank timing of training steps and of named sections inside them.
+
+Host sections are timed with a wall clock (injectable, so tests drive time by hand); on a GPU, sections can be timed
+with CUDA events instead (device time, read back lazily so timing never synchronizes the step). The wait for data
+between two steps is always host time: it is the host that waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["STEP", "DATA", "CudaEventSource", "StepTimer", "TimeSource", "WallClockSource"]
+
+STEP = "step"
+"""Name of the whole-step series (start of step to end of step)."""
+DATA = "data"
+"""Name of the data-wait series (end of the previous step to the start of this one)."""
+
+
+class TimeSource(Protocol):
+    """Where time marks come from: ``mark`` is cheap and called inside the step; ``elapsed`` may block and is called
+    only when timings are collected."""
+
+    def mark(self) -> Any: ...
+
+    def ready(self, mark: Any) -> bool:
+        """Whether ``mark`` can be read without waiting."""
+        ...
+
+    def elapsed(self, start: Any, end: Any) -> float:
+        """Seconds between two marks of this source."""
+        ...
+
+
+class WallClockSource:
+    """Host wall clock (``time.perf_counter`` unless a clock is injected)."""
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self.clock = clock or time.perf_counter
+
+    def mark(self) -> float:
+        return self.clock()
+
+    def ready(self, mark: float) -> bool:
+        return True
+
+    def elapsed(self, start: float, end: float) -> float:
+        return end - start
+
+
+class CudaEventSource:
+    """CUDA events recorded on the current stream: device time, read back at collection time."""
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaEventSource needs a CUDA device; use WallClockSource on CPU")
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ready(self, mark: torch.cuda.Event) -> bool:
+        return bool(mark.query())
+
+    def elapsed(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        end.synchronize()  # only reached with wait=True: collect() otherwise takes finished steps only
+        return float(start.elapsed_time(end)) / 1e3
+
+
+@dataclass
+class _PendingStep:
+    spans: list[tuple[str, Any, Any]] = field(default_factory=list)
+    data_wait: float | None = None
+
+
+class StepTimer:
+    """Times steps and named sections; ``collect`` turns the finished steps into ``{section: seconds}`` records.
+
+    Example::
+
+        timer = StepTimer()
+        timer.start_step()
+        with timer.section("forward"):
+            loss = model(batch)
+        timer.end_step()
+        timer.collect()  # [{"step": 0.012, "forward": 0.004, "data": 0.001}]
+
+    A section entered twice in one step counts the sum. Sections still open at ``end_step`` close there.
+
+    Args:
+        source: marks for the step and its sections (default: the host wall clock ``clock``).
+        clock: host clock for the data wait, and for the sections when no ``source`` is given.
+    """
+
+    def __init__(self, source: TimeSource | None = None, *, clock: Callable[[], float] | None = None) -> None:
+        self.clock = clock or time.perf_counter
+        self.source: TimeSource = source or WallClockSource(self.clock)
+        self._current: _PendingStep | None = None
+        self._step_start: Any = None
+        self._open: dict[str, Any] = {}
+        self._finished: list[_PendingStep] = []
+        self._last_end_host: float | None = None
+
+    @property
+    def in_step(self) -> bool:
+        return self._current is not None
+
+    def start_step(self) -> None:
+        now = self.clock()
+        if self._current is not None:  # the previous step never ended (an exception, a skipped hook): drop it
+            self._open.clear()
+        self._current = _PendingStep()
+        if self._last_end_host is not None:
+            self._current.data_wait = max(0.0, now - self._last_end_host)
+        self._step_start = self.source.mark()
+
+    def begin(self, name: str) -> None:
+        """Open section ``name`` (no-op outside a step)."""
+        if self._current is None:
+            return
+        if name in self._open:
+            raise RuntimeError(f"section {name!r} is already open: sections with the same name cannot nest")
+        self._open[name] = self.source.mark()
+
+    def end(self, name: str) -> None:
+        """Close section ``name`` (no-op if it is not open)."""
+        start = self._open.pop(name, None)
+        if start is None or self._current is None:
+            return
+        self._current.spans.append((name, start, self.source.mark()))
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        self.begin(name)
+        try:
+            yield
+        finally:
+            self.end(name)
+
+    def end_step(self) -> None:
+        if self._current is None:
+            return
+        end = self.source.mark()
+        for name, start in self._open.items():
+            self._current.spans.append((name, start, end))
+        self._open.clear()
+        self._current.spans.append((STEP, self._step_start, end))
+        self._finished.append(self._current)
+        self._current = None
+        self._last_end_host = self.clock()
+
+    def cancel_step(self) -> None:
+        """Forget the step in progress (e.g. a gradient-accumulation micro-batch that is not a full step)."""
+        self._current = None
+        self._open.clear()
+
+    def reset_data_wait(self) -> None:
+        """The next step's data wait is not measured (after a pause such as validation or a checkpoint)."""
+        self._last_end_host = None
+
+    def collect(self, *, wait: bool = False) -> list[dict[str, float]]:
+        """Seconds per section of every step finished since the last call, oldest first.
+
+        With CUDA events, a step whose work is still running on the device stays for the next call unless ``wait``
+        (timing never stalls the host on the device).
+        """
+        out: list[dict[str, float]] = []
+        done = 0
+        for pending in self._finished:
+            if not wait and not all(self.source.ready(end) for _, _, end in pending.spans):
+                break
+            done += 1
+            record: dict[str, float] = {}
+            for name, start, end in pending.spans:
+                record[name] = record.get(name, 0.0) + self.source.elapsed(start, end)
+            if pending.data_wait is not None:
+                record[DATA] = record.get(DATA, 0.0) + pending.data_wait
+            out.append(record)
+        del self._finished[:done]
+        return out

@@ -1,0 +1,135 @@
+"""What every recipe shares: the resilience callbacks built from ``cfg.resilience``, fault drills, and the exit code.
+
+A recipe composes ``resilience: {checkpoint, straggler, sdc, ft}`` from the config groups under
+``configs/resilience/`` and a ``drill`` from ``configs/drill/``; :func:`resilience_callbacks` builds the callbacks
+(a bad value fails here with its full key), :class:`FaultDrill` injects the drill's fault, and :func:`exit_code`
+turns what the callbacks decided into the process's exit status, so that a launcher restarts the job when it should.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from omegaconf import DictConfig
+
+from lightning_resilience.config.registry import build_all
+from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
+
+__all__ = ["DRILLS", "FaultDrill", "attempt_number", "drill_callbacks", "exit_code", "resilience_callbacks"]
+
+DRILLS = ("none", "kill_rank", "crash", "hang", "preempt", "slow_rank", "bit_flip")
+HANG_LIMIT_S = 3600.0  # a drilled hang ends by itself after this long if nothing detects it
+
+
+def attempt_number() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def resilience_callbacks(cfg: DictConfig, resume: str | int | None = None) -> list[Callback]:
+    """The callbacks of ``cfg.resilience`` (components switched off are absent), the checkpoint callback last.
+
+    ``resume`` overrides the checkpoint callback's resume setting (e.g. a verified step after an SDC rollback).
+    """
+    built = build_all(cfg.resilience, "resilience")
+    callbacks: list[Callback] = []
+    for name, obj in built.items():
+        if not isinstance(obj, Callback):
+            raise TypeError(f"resilience.{name} must build a Lightning Callback, got {type(obj).__name__}")
+        callbacks.append(obj)
+    for cb in callbacks:
+        if isinstance(cb, TieredCheckpoint) and resume is not None:
+            cb.config.resume = str(resume)
+    # detectors first: their verdicts (and the SDC check of a step) are in place before the step is snapshotted
+    return sorted(callbacks, key=lambda cb: isinstance(cb, TieredCheckpoint))
+
+
+class FaultDrill(Callback):
+    """Injects the drill's fault at a chosen (rank, step, attempt) so a user can rehearse recovery."""
+
+    def __init__(self, kind: str, rank: int = 0, step: int = 35, attempt: int = 0, factor: float = 2.0) -> None:
+        if kind not in DRILLS:
+            raise ValueError(f"drill.kind must be one of {DRILLS}, got {kind!r}")
+        if factor <= 1.0:
+            raise ValueError(f"drill.factor must be > 1, got {factor}")
+        self.kind, self.rank, self.step, self.attempt, self.factor = kind, rank, step, attempt, factor
+        self._t0 = 0.0
+
+    def _armed(self, trainer: Trainer) -> bool:
+        return trainer.global_rank == self.rank and attempt_number() == self.attempt
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if self.kind == "slow_rank" and self._armed(trainer) and trainer.global_step > self.step:
+            # a fail-slow device: this rank's steps take `factor` times as long from `step` on (this callback runs
+            # before the detectors, so the wait is inside the step they time)
+            threading.Event().wait((self.factor - 1.0) * (time.perf_counter() - self._t0))
+            return
+        if self.kind in ("none", "slow_rank", "bit_flip") or trainer.global_step != self.step:
+            return
+        if not self._armed(trainer):
+            return
+        print(f"[drill] rank {self.rank}: injecting {self.kind} at step {self.step}", flush=True)
+        if self.kind == "kill_rank":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.kind == "crash":
+            raise RuntimeError(f"drill: injected crash at step {self.step}")
+        elif self.kind == "preempt":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif self.kind == "hang":
+            threading.Event().wait(HANG_LIMIT_S)  # the watchdog (resilience/ft) must notice and end this rank
+
+
+def drill_callbacks(drill: DictConfig) -> list[Callback]:
+    """The drill's callbacks: a :class:`FaultDrill`, or a bit-flip injector for ``bit_flip``."""
+    kind = str(drill.kind)
+    if kind == "bit_flip":
+        from lightning_resilience.sdc.inject import FlipSpec
+
+        _ReportFlips = _flip_injection()
+
+        if attempt_number() != int(drill.get("attempt", 0)):
+            return []
+        spec = FlipSpec(
+            location=str(drill.location),  # type: ignore[arg-type]  # FlipSpec checks the value
+            step=int(drill.step),
+            rank=int(drill.rank),
+            bit_class=str(drill.bit_class),  # type: ignore[arg-type]
+            bit=None if drill.get("bit") is None else int(drill.bit),
+            seed=int(drill.seed),
+        )
+        return [_ReportFlips([spec])]
+    keys = ("rank", "step", "attempt", "factor")
+    return [FaultDrill(kind, **{k: drill[k] for k in keys if k in drill})]
+
+
+def _flip_injection() -> type:
+    from lightning_resilience.lightning.callbacks.sdc_inject import BitFlipInjection
+
+    class ReportFlips(BitFlipInjection):  # type: ignore[misc]
+        """Says what it flipped, so the drill's output shows the fault next to its detection."""
+
+        def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            for record in self.records:
+                print(f"[drill] injected {record}", flush=True)
+
+    return ReportFlips
+
+
+def exit_code(callbacks: list[Callback]) -> int:
+    """The exit status a launcher should see: the first distinct code a resilience callback asked for, else 0."""
+    for cb in callbacks:
+        code = getattr(cb, "exit_code", None)
+        if isinstance(code, int) and code:
+            return code
+        if getattr(cb, "stopped", False):  # SDC verification stopped the fit: restart from a verified step
+            from lightning_resilience.sdc.verdict import SDC_EXIT_CODE
+
+            return SDC_EXIT_CODE
+    return 0

@@ -1,0 +1,145 @@
+"""ResilienceReportCallback in a real Trainer with TieredCheckpoint and FaultTolerance: the report file, its
+sections, the simulator reading it, and a report written when fit raises."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lightning.pytorch import Callback
+
+from lightning_resilience.checkpoint.local import LocalTier
+from lightning_resilience.checkpoint.memory import MemoryTier
+from lightning_resilience.config.ft import FaultToleranceConfig
+from lightning_resilience.lightning.callbacks.fault_tolerance import FaultTolerance
+from lightning_resilience.lightning.callbacks.resilience_report import ResilienceReportCallback, section_name
+from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
+from lightning_resilience.report import REPORT_NAME
+from lightning_resilience.sim.cli import simulate_main
+from lightning_resilience.sim.from_run import load_run_costs
+from tests.lightning._training import CrashAt, build, trainer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _ft(run_dir: Path) -> FaultTolerance:
+    cfg = FaultToleranceConfig(
+        run_dir=str(run_dir), warmup_steps=2, min_timeout_s=60.0, max_timeout_s=120.0, ledger_interval_s=0.0, nvrx="off"
+    )
+    return FaultTolerance(cfg)
+
+
+class _Custom(Callback):
+    """Any callback with a report() contributes a section, under report_section when it has one."""
+
+    report_section = "custom"
+
+    def report(self) -> dict[str, Any]:
+        return {"checked": 3, "ok": True}
+
+    def summary(self) -> str:
+        return "custom: 3 checked"
+
+
+class BrokenThing(Callback):
+    def report(self) -> dict[str, Any]:
+        raise RuntimeError("figures unavailable")
+
+
+class _CountingClock:
+    """Every reading one second after the previous one."""
+
+    def __init__(self) -> None:
+        self.now = -1.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_report_of_a_finished_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    tiers = [MemoryTier(every_n_steps=1, keep=2), LocalTier(tmp_path / "ckpt", every_n_steps=4, keep=2)]
+    report_cb = ResilienceReportCallback(run_dir, clock=_CountingClock())
+    model, data = build()
+    callbacks = [_ft(run_dir), TieredCheckpoint(tiers), _Custom(), BrokenThing(), report_cb]
+    trainer(12, callbacks).fit(model, datamodule=data)
+
+    path = run_dir / REPORT_NAME
+    assert report_cb.path == path and path.is_file()
+    data_json = json.loads(path.read_text())
+    sections = data_json["sections"]
+    assert {"checkpoint", "fault_tolerance", "custom", "broken_thing", "run"} <= set(sections)
+    assert sections["custom"] == {"checked": 3, "ok": True}
+    assert sections["broken_thing"] == {"error": "RuntimeError: figures unavailable"}
+    assert data_json["summaries"]["custom"] == "custom: 3 checked"
+    assert data_json["summaries"]["checkpoint"].startswith("tiered checkpoint: 12 snapshots")
+
+    ckpt = sections["checkpoint"]
+    assert ckpt["captures"] == 12
+    assert ckpt["tiers"]["memory"]["writes"] == 12 and ckpt["tiers"]["local"]["writes"] == 3  # steps 4, 8, 12
+    assert ckpt["tiers"]["local"]["bytes"] > 0 and ckpt["tiers"]["local"]["write_seconds"] > 0
+    # a snapshot is seen at the start of the next step: steps 1..11 (12 ends the run)
+    assert [p[0] for p in ckpt["blocking_timeline"]] == list(range(1, 12))
+    ft = sections["fault_tolerance"]
+    assert ft["ettr"]["attempts"] == 1 and ft["exception"] is None
+    assert sections["run"]["status"] == "finished" and sections["run"]["global_step"] == 12
+    assert sections["run"]["steps_timed"] == 11
+
+    costs = load_run_costs(run_dir)
+    # the clock reads 1 s per step start; what checkpointing blocked is taken out of it
+    assert costs.step_s is not None and 0.5 < costs.step_s < 1.0
+    assert costs.gpus == 1 and costs.gpus_per_node == 1
+    tiers_by_name = {t.name: t for t in costs.tiers}
+    assert tiers_by_name["memory"].durability == "process" and tiers_by_name["memory"].blocking_s > 0
+    assert tiers_by_name["local"].every_n_steps == 4 and tiers_by_name["local"].durability == "host"
+    assert tiers_by_name["local"].blocking_s == 0.0 and tiers_by_name["local"].write_s > 0
+    assert costs.failures == 0 and costs.failure_wall_s is not None and costs.failure_wall_s > 0
+
+    out = capsys.readouterr().out
+    assert "Resilience report" in out and "Checkpoints per tier" in out and "ETTR" in out
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (run_dir / "checkpoint_blocking.png") in report_cb.plot_files
+        assert (run_dir / "checkpoint_blocking.png").read_bytes()[:4] == b"\x89PNG"
+
+    clone = pickle.loads(pickle.dumps(report_cb))  # spawn launchers pickle callbacks
+    assert clone.run_dir == run_dir and clone.print_table and clone.plots
+
+    # the simulator takes the run's measured costs
+    assert simulate_main(["--from-run", str(run_dir), "--gpus", "64", "--days", "1", "--json"]) == 0
+    assert "step_s" in capsys.readouterr().out
+
+
+def test_report_is_written_when_fit_raises(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    tiers = [MemoryTier(every_n_steps=1, keep=2), LocalTier(tmp_path / "ckpt", every_n_steps=2, keep=2)]
+    report_cb = ResilienceReportCallback(run_dir, print_table=False, plots=False)
+    model, data = build()
+    with pytest.raises(RuntimeError, match="injected crash"):
+        trainer(10, [_ft(run_dir), TieredCheckpoint(tiers), CrashAt(4), report_cb]).fit(model, datamodule=data)
+    assert "Resilience report" not in capsys.readouterr().out
+    sections = json.loads((run_dir / REPORT_NAME).read_text())["sections"]
+    assert sections["run"]["status"] == "exception: RuntimeError: injected crash at step 4"
+    assert "injected crash at step 4" in sections["fault_tolerance"]["exception"]
+    assert sections["fault_tolerance"]["attempts"][-1]["end_reason"] == "exception"
+    assert not list(run_dir.glob("*.png"))
+    costs = load_run_costs(run_dir)
+    assert costs.failures == 1  # the attempt ended in a fault
+
+
+def test_section_names() -> None:
+    assert section_name(_Custom()) == "custom"
+    assert section_name(BrokenThing()) == "broken_thing"
+
+    class SDCVerification:
+        pass
+
+    class FaultTolerance:
+        pass
+
+    assert section_name(SDCVerification()) == "sdc_verification"
+    assert section_name(FaultTolerance()) == "fault_tolerance"

@@ -1,0 +1,151 @@
+"""SDC engine pieces on plain torch: digests, guards, votes, bit flips, and the single-process monitor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_resilience.config.sdc import SDCConfig
+from lightning_resilience.sdc.fingerprint import BitwiseDigest, ToleranceDigest, digest_all, group_rows
+from lightning_resilience.sdc.guards import Guards
+from lightning_resilience.sdc.inject import BIT_CLASSES, LOCATIONS, FlipSpec, bit_positions, flip_bit_
+from lightning_resilience.sdc.localize import Opinion, next_device, vote
+from lightning_resilience.sdc.verdict import Verdict
+from tests.sdc._loop import train
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_bitwise_digest_sees_every_single_bit_flip(dtype: torch.dtype) -> None:
+    t = torch.randn(37, generator=torch.Generator().manual_seed(0)).to(dtype)
+    d, base = BitwiseDigest(), BitwiseDigest().compute(t)
+    for bit in range(t.element_size() * 8):
+        flipped = t.clone()
+        flip_bit_(flipped, 5, bit)
+        assert not d.equal(d.compute(flipped), base), f"bit {bit} of {dtype} not seen"
+        flip_bit_(flipped, 5, bit)
+        assert d.equal(d.compute(flipped), base)  # flipping back restores the digest
+
+
+def test_digests_are_additive_over_buckets() -> None:
+    tensors = [torch.randn(5), torch.randn(3, 2), torch.randn(4)]
+    for d in (BitwiseDigest(), ToleranceDigest()):
+        rows = digest_all(d, tensors)
+        flat = d.compute(torch.cat([t.reshape(-1) for t in tensors]))
+        assert d.equal(group_rows(d, rows, [[0, 1, 2]])[0], flat) or isinstance(d, BitwiseDigest)
+
+
+def test_tolerance_digest_ignores_rounding_noise_only() -> None:
+    d = ToleranceDigest(rtol=1e-5)
+    t = torch.randn(100, dtype=torch.float32)
+    assert d.equal(d.compute(t), d.compute(t * (1 + 1e-7)))
+    assert not d.equal(d.compute(t), d.compute(t * -1))
+
+
+def test_bit_classes_map_to_the_right_bits() -> None:
+    assert bit_positions(torch.float32, "sign") == [31]
+    assert bit_positions(torch.float32, "exponent") == list(range(23, 31))
+    assert bit_positions(torch.bfloat16, "exponent") == list(range(7, 15))
+    x = torch.tensor([1.5])
+    assert flip_bit_(x, 0, 31) == (1.5, -1.5)
+    assert flip_bit_(x, 0, 30)[1] == pytest.approx(-1.5 * 2.0**128, rel=1e-6) or not torch.isfinite(x).all()
+    with pytest.raises(ValueError, match="bit_class"):
+        bit_positions(torch.float32, "mantissa")
+    with pytest.raises(ValueError, match=r"inject\.location"):
+        FlipSpec("buffer", step=0)  # type: ignore[arg-type]
+
+
+def test_guards_fire_on_nonfinite_and_spikes_not_on_noise() -> None:
+    g = Guards(window=32, min_history=8, threshold=8.0)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(40):
+        loss, gn = (
+            3.0 - 0.01 * step + 0.02 * float(torch.randn(1, generator=gen)),
+            1.0 + 0.05 * float(torch.rand(1, generator=gen)),
+        )
+        report = g.check(step, loss, gn, 100.0 + 0.01 * step)
+        assert report.fired == [], report
+        g.accept(report)
+    assert g.check(41, float("nan"), 1.0).fired == ["nonfinite_loss"]
+    assert g.check(41, 2.6, float("inf")).fired == ["nonfinite_grad"]
+    assert g.check(41, 2.6, 1e6).fired == ["grad_norm_spike"]
+    assert g.check(41, 50.0, 1.0).fired == ["loss_spike"]
+    assert g.check(41, 2.6, 1.0, 1e9).fired == ["param_norm_jump"]
+
+
+def _op(rank: int, kind: str, value: int) -> Opinion:
+    return Opinion(rank, kind, torch.tensor([value]))
+
+
+def test_vote_names_transient_persistent_and_ties() -> None:
+    eq = BitwiseDigest().equal
+    transient = vote([_op(1, "original", 9), _op(1, "replay", 1), _op(2, "replay", 1)], eq)
+    assert transient.verdict is Verdict.TRANSIENT and transient.suspects == [1]
+    # a device reproducing its own wrong answer counts once: a tie between two devices, then a third decides
+    tie = [_op(1, "original", 9), _op(1, "replay", 9), _op(2, "replay", 1)]
+    assert vote(tie, eq).verdict is Verdict.UNRESOLVED
+    assert next_device(1, tie, 3, others=True) == 0
+    persistent = vote([*tie, _op(0, "replay", 1)], eq)
+    assert persistent.verdict is Verdict.PERSISTENT and persistent.suspects == [1]
+    # one device alone: opinions count (original glitched, two replays agree)
+    single = vote([_op(0, "original", 9), _op(0, "replay", 1), _op(0, "replay", 1)], eq)
+    assert single.verdict is Verdict.TRANSIENT and single.dissent == [0]
+    assert vote([_op(0, "replica", 1), _op(1, "replica", 1), _op(2, "replica", 3)], eq).persistent == [2]
+
+
+def test_config_names_the_bad_key() -> None:
+    with pytest.raises(ValueError, match=r"sdc\.guard_window"):
+        SDCConfig(guard_window=2)
+    with pytest.raises(ValueError, match=r"sdc\.compare"):
+        SDCConfig(compare="close")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"sdc\.max_opinions"):
+        SDCConfig(max_opinions=2)
+
+
+def test_clean_loop_many_steps_no_false_positive() -> None:
+    _, _, monitor = train(40, SDCConfig(replay_every_n_steps=1, param_norm_every_n_steps=1))
+    assert monitor is not None and monitor.events == [] and monitor.stats.replays == 40
+    assert monitor.verified_steps == set(range(41))
+
+
+@pytest.mark.parametrize("location", ["grad", "activation"])
+@pytest.mark.parametrize("bit_class", BIT_CLASSES)
+def test_single_process_flip_is_fixed_to_clean_weights(location: str, bit_class: str) -> None:
+    reference, _, _ = train(8, None)
+    plan = [FlipSpec(location, step=3, bit_class=bit_class, seed=5)]  # type: ignore[arg-type]
+    final, _, monitor = train(8, SDCConfig(replay_every_n_steps=1), plan=plan)
+    assert monitor is not None
+    for k in reference:
+        assert torch.equal(final[k], reference[k]), k
+    # a flip either changed the gradients (then it was caught and fixed) or changed nothing at all
+    assert [(e.verdict, e.action) for e in monitor.events] in ([(Verdict.TRANSIENT, "recomputed")], [])
+    if location == "grad":
+        assert monitor.events and monitor.events[0].suspects == [0]
+
+
+def test_tolerance_mode_clean_and_exponent_flip() -> None:
+    cfg = SDCConfig(replay_every_n_steps=1, compare="tolerance")
+    _, _, clean = train(6, cfg)
+    assert clean is not None and clean.events == []
+    _, _, flipped = train(6, cfg, plan=[FlipSpec("grad", step=2, bit_class="exponent", bit=30)])
+    assert flipped is not None and [e.verdict for e in flipped.events] == [Verdict.TRANSIENT]
+
+
+def test_locations_constant_lists_every_target() -> None:
+    assert set(LOCATIONS) == {"param", "grad", "optim", "activation"}
+
+
+def test_same_bit_in_two_elements_gives_two_digests() -> None:
+    # a vote between corrupted opinions must not mistake two different corruptions for agreement
+    d = BitwiseDigest()
+    t = torch.zeros(64)
+    a, b = t.clone(), t.clone()
+    flip_bit_(a, 3, 25)
+    flip_bit_(b, 40, 25)
+    assert not d.equal(d.compute(a), d.compute(b))
+    t = torch.randn(64)
+    a, b = t.clone(), t.clone()
+    flip_bit_(a, 3, 30)
+    flip_bit_(b, 40, 30)
+    assert not d.equal(d.compute(a), d.compute(b))

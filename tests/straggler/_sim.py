@@ -1,0 +1,114 @@
+"""In-process multi-rank harness: N real detectors, each with its own fake clock, exchanging payloads in lockstep.
+
+``prepare`` on every rank, then ``consume`` of the same payload list on every rank: exactly what ``end_step`` does
+with a real all-gather, without processes or sleeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from lightning_resilience.config.straggler import StragglerConfig
+from lightning_resilience.straggler import Decision, StragglerDetector, Verdict
+
+
+class FakeClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.now += seconds
+
+
+CostFn = Callable[[int, int], float]
+"""(rank, step) -> seconds of compute that step takes on that rank."""
+
+
+def jitter_cost(
+    seed: int,
+    *,
+    base: float = 0.1,
+    sigma: float = 0.03,
+    common_sigma: float = 0.05,
+    slow_rank: int | None = None,
+    factor: float = 1.0,
+    onset: int = 0,
+    spikes: dict[tuple[int, int], float] | None = None,
+) -> CostFn:
+    """Lognormal per-rank jitter around a common lognormal step time; ``slow_rank`` is ``factor`` x slower from
+    ``onset``; ``spikes`` maps (rank, step) to a one-off multiplier."""
+    rng = np.random.default_rng(seed)
+    common: dict[int, float] = {}
+    own: dict[tuple[int, int], float] = {}
+
+    def cost(rank: int, step: int) -> float:
+        if step not in common:
+            common[step] = base * float(np.exp(rng.normal(0.0, common_sigma)))
+        if (rank, step) not in own:
+            own[(rank, step)] = float(np.exp(rng.normal(0.0, sigma)))
+        c = common[step] * own[(rank, step)]
+        if rank == slow_rank and step >= onset:
+            c *= factor
+        if spikes and (rank, step) in spikes:
+            c *= spikes[(rank, step)]
+        return c
+
+    return cost
+
+
+class Cluster:
+    """``world`` detectors on fake clocks; ``run`` drives them step by step."""
+
+    def __init__(
+        self, world: int, config: StragglerConfig | None = None, *, ranks_per_node: int = 2, **kwargs: Any
+    ) -> None:
+        self.clocks = [FakeClock() for _ in range(world)]
+        self.detectors = [
+            StragglerDetector(
+                config,
+                rank=r,
+                world_size=world,
+                gather=lambda p: [p],  # never called: the harness gathers
+                clock=self.clocks[r],
+                hostname=f"node{r // ranks_per_node}",
+                local_world_size=ranks_per_node,
+                **kwargs,
+            )
+            for r in range(world)
+        ]
+        self.decisions: list[list[tuple[int, Decision]]] = [[] for _ in range(world)]
+        self.step = 0
+
+    def run(self, steps: int, cost: CostFn, *, section: str | None = None) -> None:
+        """``steps`` training steps; ``cost`` is spent inside ``section`` if given (else in the step)."""
+        for _ in range(steps):
+            payloads = []
+            for r, (det, clock) in enumerate(zip(self.detectors, self.clocks)):
+                clock.advance(0.001)  # data wait
+                det.start_step()
+                if section is not None:
+                    with det.section(section):
+                        clock.advance(cost(r, self.step))
+                    clock.advance(0.01)  # the rest of the step (a collective: equal on every rank)
+                else:
+                    clock.advance(cost(r, self.step))
+                det.timer.end_step()
+                payloads.append(det.prepare(self.step))
+            if payloads[0] is not None:
+                assert all(p is not None for p in payloads), "ranks disagree on the gather step"
+                for r, det in enumerate(self.detectors):
+                    self.decisions[r] += [(self.step, d) for d in det.consume(self.step, payloads)]
+            self.step += 1
+
+    @property
+    def verdicts(self) -> list[Verdict]:
+        return self.detectors[0].verdicts

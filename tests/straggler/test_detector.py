@@ -1,0 +1,156 @@
+"""StragglerDetector on an in-process cluster of real detectors with fake clocks (no processes, no sleeps)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lightning_resilience.config.straggler import StragglerConfig, StragglerLevelConfig
+from lightning_resilience.straggler import Action, StragglerDetector, StragglerGatherError, Verdict
+from tests.straggler._sim import Cluster, FakeClock, jitter_cost
+
+STOP_LADDER = [
+    StragglerLevelConfig(action="log", slowdown=1.1, persist_steps=1),
+    StragglerLevelConfig(action="alert", slowdown=1.2, persist_steps=3),
+    StragglerLevelConfig(action="stop", slowdown=1.3, persist_steps=6),
+]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_slow_rank_named_with_node_section_and_factor_within_bound(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    world, onset, slow = 4, int(rng.integers(20, 60)), int(rng.integers(4))
+    cluster = Cluster(world, StragglerConfig(warmup_steps=3), ranks_per_node=2)
+    cluster.run(onset + 15, jitter_cost(seed, slow_rank=slow, factor=1.2, onset=onset))
+    verdicts = cluster.verdicts
+    assert verdicts, "no verdict"
+    v = verdicts[0]
+    assert (v.rank, v.node, v.node_index, v.section, v.score) == (
+        slow,
+        f"node{slow // 2}",
+        slow // 2,
+        "step",
+        "relative",
+    )
+    assert onset <= v.step <= onset + 4  # at most 5 slow steps observed
+    assert 1.1 <= v.slowdown <= 1.35
+    assert abs(v.onset_step - onset) <= 3
+    assert len(verdicts) == 1
+
+
+def test_clean_run_has_no_verdict() -> None:
+    cluster = Cluster(4, StragglerConfig())
+    cluster.run(1500, jitter_cost(11))
+    assert cluster.verdicts == []
+    assert all(d == [] for d in cluster.decisions)
+
+
+def test_one_off_spikes_are_not_stragglers() -> None:
+    spikes = {(1, 60): 4.0, (2, 90): 2.5, (2, 91): 1.4, (0, 150): 10.0, (3, 200): 3.0}
+    cluster = Cluster(4, StragglerConfig())
+    cluster.run(260, jitter_cost(5, spikes=spikes))
+    assert cluster.verdicts == []
+
+
+def test_every_rank_takes_the_same_decisions_and_stop_reaches_all() -> None:
+    cluster = Cluster(4, StragglerConfig(levels=STOP_LADDER))
+    cluster.run(120, jitter_cost(3, slow_rank=2, factor=1.5, onset=50))
+    per_rank = [[(s, d.to_dict()) for s, d in decisions] for decisions in cluster.decisions]
+    assert all(p == per_rank[0] for p in per_rank)
+    actions = [(s, d.action) for s, d in cluster.decisions[0]]
+    assert [a for _, a in actions] == [Action.LOG, Action.ALERT, Action.STOP]
+    stop_step = actions[-1][0]
+    assert 50 + 5 <= stop_step <= 50 + 4 + 6
+    assert all(det.should_stop for det in cluster.detectors)
+    assert {det.stop_decision.step for det in cluster.detectors if det.stop_decision} == {stop_step}
+
+
+def test_user_section_names_the_rank_when_the_step_is_equalised() -> None:
+    """Under data parallelism whole-step times are equal; the compute section (no collective) differs."""
+    cfg = StragglerConfig(sections=["step", "forward"])
+    cluster = Cluster(3, cfg)
+    base = jitter_cost(8, slow_rank=0, factor=1.3, onset=40)
+
+    def cost(rank: int, step: int) -> float:
+        return base(rank, step)
+
+    cluster.run(60, cost, section="forward")
+    sections = {v.section for v in cluster.verdicts}
+    assert "forward" in sections and all(v.rank == 0 for v in cluster.verdicts)
+
+
+def test_exclude_hook_is_called_on_every_rank() -> None:
+    calls: list[tuple[int, Verdict]] = []
+    levels = [StragglerLevelConfig(action="exclude", slowdown=1.2, persist_steps=3)]
+    with pytest.raises(ValueError, match="no exclude_hook"):
+        StragglerDetector(StragglerConfig(levels=levels))
+    cluster = Cluster(2, StragglerConfig(levels=levels), exclude_hook=lambda v: calls.append((v.rank, v)))
+    cluster.run(80, jitter_cost(4, slow_rank=1, factor=1.5, onset=40))
+    assert [rank for rank, _ in calls] == [1, 1]  # once per detector (two ranks), naming rank 1
+
+
+def test_gather_cadence_limits_exchanges_and_still_detects() -> None:
+    cluster = Cluster(4, StragglerConfig(gather_every_n_steps=4, warmup_steps=2))
+    cluster.run(42, jitter_cost(6))
+    assert cluster.detectors[0].gathers == (42 - 2) // 4
+    cluster.run(60, jitter_cost(7, slow_rank=3, factor=1.5, onset=42))
+    (v,) = cluster.verdicts
+    assert v.rank == 3 and 42 <= v.step <= 42 + 4 * 6
+
+
+def test_single_rank_uses_its_own_history() -> None:
+    clock = FakeClock()
+    det = StragglerDetector(StragglerConfig(warmup_steps=0, levels=STOP_LADDER), clock=clock)
+    assert det.mode == "individual"
+    cost = jitter_cost(9, slow_rank=0, factor=1.5, onset=80)
+    for step in range(120):
+        det.start_step()
+        clock.advance(cost(0, step))
+        det.end_step(step)
+        if det.should_stop:
+            break
+    assert det.verdicts and det.verdicts[0].score == "individual" and det.verdicts[0].step >= 80
+    assert det.should_stop
+
+
+def test_report_is_json_and_summary_names_the_straggler() -> None:
+    cluster = Cluster(4, StragglerConfig(levels=STOP_LADDER))
+    cluster.run(100, jitter_cost(3, slow_rank=1, factor=1.6, onset=50))
+    det = cluster.detectors[0]
+    report = json.loads(json.dumps(det.report()))
+    assert report["verdicts"][0]["rank"] == 1 and report["should_stop"] is True
+    assert report["sections"]["step"]["relative_max"][1] > 1.4
+    assert all(math.isfinite(v) for v in report["step_time_median_s"])
+    summary = det.summary()
+    assert "rank 1 (node 0, node0) is" in summary and "STOP" in summary
+    # the slowest rank is listed first
+    assert summary.splitlines()[2].split()[0] == "1"
+
+
+def test_gather_failure_is_a_named_error() -> None:
+    def broken(payload: dict) -> list:
+        raise RuntimeError("connection reset by peer")
+
+    det = StragglerDetector(StragglerConfig(warmup_steps=0), rank=0, world_size=2, gather=broken, clock=FakeClock())
+    det.start_step()
+    with pytest.raises(StragglerGatherError, match="a rank is hung, gone"):
+        det.end_step(0)
+    with pytest.raises(ValueError, match="gather function is required"):
+        StragglerDetector(world_size=2, rank=0)
+
+
+def test_plot_is_skipped_cleanly_without_matplotlib(tmp_path: Path) -> None:
+    cluster = Cluster(2, StragglerConfig())
+    cluster.run(20, jitter_cost(1))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert cluster.detectors[0].plot(tmp_path / "p.png") is None
+        assert not (tmp_path / "p.png").exists()
+    else:
+        out = cluster.detectors[0].plot(tmp_path / "p.png")
+        assert out is not None and out.stat().st_size > 0

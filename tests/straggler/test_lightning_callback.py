@@ -1,0 +1,172 @@
+"""StragglerDetection inside a real Trainer: metrics are logged, and a 'stop' decision checkpoints through
+TieredCheckpoint and stops training with the straggler exit code. Time comes from a fake clock advanced by the model,
+so the slowdown is exact and the test never depends on the machine's speed."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_resilience.checkpoint.local import LocalTier
+from lightning_resilience.checkpoint.memory import MemoryTier
+from lightning_resilience.config.straggler import StragglerConfig, StragglerLevelConfig
+from lightning_resilience.lightning.callbacks.straggler import STRAGGLER_EXIT_CODE, StragglerDetection
+from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
+
+pytestmark = pytest.mark.timeout(120)
+
+_NOW = [0.0]
+
+
+def fake_clock() -> float:
+    """Module-level, so the callback that holds it stays picklable."""
+    return _NOW[0]
+
+
+class SlowingModel(LightningModule):
+    """Each training step costs 0.1 s of fake time, ``factor`` x that from ``onset`` on."""
+
+    def __init__(self, onset: int, factor: float) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.onset, self.factor = onset, factor
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        _NOW[0] += 0.1 * (self.factor if self.global_step >= self.onset else 1.0)
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)), batch_size=4)
+
+
+def _trainer(callbacks: list, max_steps: int) -> Trainer:
+    return Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
+
+
+LADDER = [
+    StragglerLevelConfig(action="alert", slowdown=1.2, persist_steps=2),
+    StragglerLevelConfig(action="stop", slowdown=1.3, persist_steps=3),
+]
+
+
+def test_stop_decision_checkpoints_and_stops_with_exit_code(tmp_path: Path) -> None:
+    _NOW[0] = 0.0
+    onset = 40
+    cb = StragglerDetection(StragglerConfig(warmup_steps=2, sections=["step", "forward"], levels=LADDER),
+                            clock=fake_clock)  # fmt: skip
+    pickle.loads(pickle.dumps(cb))  # ddp_spawn pickles callbacks
+    local = LocalTier(tmp_path / "ckpt", every_n_steps=1000, keep=2)
+    ckpt = TieredCheckpoint(tiers=[MemoryTier(every_n_steps=1, keep=2), local], resume="never")
+    trainer = _trainer([ckpt, cb], max_steps=200)
+    trainer.fit(SlowingModel(onset=onset, factor=1.5))
+
+    assert cb.exit_code == STRAGGLER_EXIT_CODE
+    assert cb.stopped_at_step is not None and onset < cb.stopped_at_step <= onset + 12
+    assert trainer.global_step == cb.stopped_at_step < 200
+    assert cb.checkpointed_at_stop and cb.stopped_at_step in local.list_steps()
+    detector = cb.detector
+    assert detector is not None and detector.mode == "individual"
+    assert {v.section for v in detector.verdicts} <= {"step", "forward"} and detector.verdicts
+    assert [d.action.value for d in detector.decisions if d.verdict.section == "step"] == ["alert", "stop"]
+    metrics = trainer.callback_metrics
+    assert metrics["resilience/straggler/verdicts"] >= 1
+    assert metrics["resilience/straggler/step/max_score"] > 1.3
+    assert metrics["resilience/straggler/alerts"] >= 1
+    assert "resilience/straggler/forward/score/rank_0" in metrics
+    assert "stopped at step" in cb.summary() and f"exit code {STRAGGLER_EXIT_CODE}" in cb.summary()
+    report = cb.report()
+    assert report["exit_code"] == STRAGGLER_EXIT_CODE and report["verdicts"]
+    assert cb.state_dict()["decisions"][-1]["action"] == "stop"
+
+
+def test_steady_run_trains_to_the_end_without_decisions() -> None:
+    _NOW[0] = 0.0
+    cb = StragglerDetection(StragglerConfig(warmup_steps=2, levels=LADDER), clock=fake_clock)
+    trainer = _trainer([cb], max_steps=60)
+    trainer.fit(SlowingModel(onset=10**9, factor=1.0))
+    assert trainer.global_step == 60 and cb.exit_code is None
+    assert cb.detector is not None and cb.detector.verdicts == [] and cb.detector.gathers == 58
+    assert trainer.callback_metrics["resilience/straggler/verdicts"] == 0
+
+
+class RecordEnd(Callback):
+    """Writes what each rank saw at the end of fit (spawned ranks do not hand callbacks back to the parent)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        cb = next(c for c in trainer.callbacks if isinstance(c, StragglerDetection))  # type: ignore[attr-defined]
+        det = cb.detector
+        assert det is not None
+        record = {
+            "global_step": trainer.global_step,
+            "exit_code": cb.exit_code,
+            "stopped_at": cb.stopped_at_step,
+            "mode": det.mode,
+            "verdict_ranks": [v.rank for v in det.verdicts],
+            "decisions": [d.to_dict() for d in det.decisions],
+        }
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+class RankSlowingModel(SlowingModel):
+    """Only rank ``slow_rank`` slows down."""
+
+    def __init__(self, onset: int, factor: float, slow_rank: int) -> None:
+        super().__init__(onset, factor)
+        self.slow_rank = slow_rank
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        slow = self.global_rank == self.slow_rank and self.global_step >= self.onset
+        _NOW[0] += 0.1 * (self.factor if slow else 1.0)
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+
+def test_ddp_spawn_two_ranks_name_the_slow_one_and_both_stop(tmp_path: Path) -> None:
+    cb = StragglerDetection(StragglerConfig(warmup_steps=2, levels=LADDER), clock=fake_clock)
+    trainer = Trainer(
+        max_steps=100,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[cb, RecordEnd(tmp_path)],
+    )
+    trainer.fit(RankSlowingModel(onset=30, factor=1.5, slow_rank=1))
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["mode"] == "relative" and r["verdict_ranks"] == [1] for r in records)
+    assert records[0]["decisions"] == records[1]["decisions"]
+    assert {r["exit_code"] for r in records} == {STRAGGLER_EXIT_CODE}
+    steps = {r["global_step"] for r in records}
+    assert len(steps) == 1 and 30 < steps.pop() <= 30 + 12
+    assert trainer.callback_metrics["resilience/straggler/step/slowest_rank"] == 1

@@ -1,0 +1,132 @@
+"""StragglerDetector on real gloo ranks: the slow rank (slowed through its fake clock from a random onset) is named
+within a bounded number of steps, clean and spiky runs give no verdict, and a stop decision reaches every rank at the
+same step. Each rank writes its result to a JSON file; the parent asserts on all of them. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_resilience.config.straggler import StragglerConfig, StragglerLevelConfig
+from lightning_resilience.straggler import StragglerDetector
+from tests.straggler._sim import FakeClock, jitter_cost
+
+pytestmark = pytest.mark.timeout(120)
+
+WORLD = 3
+STEPS = 160
+PG_TIMEOUT = timedelta(seconds=60)
+SPAWN_DEADLINE_S = 90.0
+MAX_LATENCY = 5  # slow steps observed before the verdict, at 1.2x
+
+
+# ----------------------------------------------------------------------------------------------- in the children
+def _run(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
+    levels = [
+        StragglerLevelConfig(action="log", slowdown=1.1, persist_steps=1),
+        StragglerLevelConfig(action="stop", slowdown=1.15, persist_steps=4),
+    ]
+    clock = FakeClock()
+    detector = StragglerDetector.from_process_group(
+        StragglerConfig(levels=levels, gather_timeout_s=60), clock=clock, local_world_size=1
+    )
+    spikes = {tuple(s[:2]): s[2] for s in spec.get("spikes", [])}
+    # one shared seed: every rank draws the same common-mode jitter; its own part comes from its rank's draws
+    cost = jitter_cost(spec["seed"], slow_rank=spec.get("slow"), factor=spec.get("factor", 1.0),
+                       onset=spec.get("onset", 0), spikes=spikes)  # fmt: skip
+    stopped_at = None
+    try:
+        for step in range(STEPS):
+            detector.start_step()
+            with detector.section("forward"):
+                clock.advance(cost(rank, step))
+            detector.end_step(step)
+            if detector.should_stop:
+                stopped_at = step
+                break
+        return {
+            "world": detector.world_size,
+            "mode": detector.mode,
+            "verdicts": [v.to_dict() for v in detector.verdicts],
+            "decisions": [d.to_dict() for d in detector.decisions],
+            "stopped_at": stopped_at,
+            "gathers": detector.gathers,
+            "nodes": detector.nodes,
+        }
+    finally:
+        detector.close()
+
+
+def _child(rank: int, tmp: str, spec: dict[str, Any]) -> None:
+    out = Path(tmp) / f"result_rank{rank}.json"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg_store", rank=rank, world_size=WORLD,
+                            timeout=PG_TIMEOUT)  # fmt: skip
+    try:
+        out.write_text(json.dumps({"ok": True, **_run(rank, spec)}))
+    except BaseException:
+        out.write_text(json.dumps({"ok": False, "traceback": traceback.format_exc()}))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------- in the parent
+def _spawn(spec: dict[str, Any], tmp: Path) -> list[dict[str, Any]]:
+    mp.get_context("forkserver").set_forkserver_preload([_child.__module__])
+    ctx = mp.start_processes(_child, args=(str(tmp), spec), nprocs=WORLD, join=False, start_method="forkserver")
+    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    crashed: Exception | None = None
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                pytest.fail(f"{spec} did not finish within {SPAWN_DEADLINE_S}s")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+        crashed = err
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    files = [tmp / f"result_rank{rank}.json" for rank in range(WORLD)]
+    results = [json.loads(f.read_text()) if f.exists() else {"ok": False, "traceback": "(no result)"} for f in files]
+    failed = [f"rank {rank}:\n{res['traceback']}" for rank, res in enumerate(results) if not res.pop("ok")]
+    if failed or crashed is not None:
+        pytest.fail(f"{spec} failed: {crashed}\n" + "\n".join(failed))
+    return results
+
+
+def test_slow_rank_named_within_bound_and_stop_reaches_every_rank(tmp_path: Path) -> None:
+    rnd = random.Random(1234)
+    onset, slow = rnd.randint(30, 90), rnd.randrange(WORLD)
+    results = _spawn({"seed": 17, "slow": slow, "factor": 1.2, "onset": onset}, tmp_path)
+    first = results[0]
+    assert first["world"] == WORLD and first["mode"] == "relative" and len(first["nodes"]) == WORLD
+    verdict = first["verdicts"][0]
+    assert verdict["rank"] == slow and verdict["section"] == "step"
+    assert verdict["node_index"] == slow  # LOCAL_WORLD_SIZE=1: one rank per node
+    assert onset <= verdict["step"] <= onset + MAX_LATENCY - 1, (onset, verdict)
+    assert all(v["rank"] == slow for v in first["verdicts"])
+    # one collective decision: identical on every rank, and every rank stopped at the same step
+    assert all(r["decisions"] == first["decisions"] for r in results)
+    assert first["decisions"][-1]["action"] == "stop"
+    assert {r["stopped_at"] for r in results} == {first["decisions"][-1]["step"]}
+
+
+def test_clean_and_spiky_runs_have_no_verdict(tmp_path: Path) -> None:
+    spikes = [[0, 40, 4.0], [1, 70, 2.5], [2, 71, 3.0], [1, 120, 6.0]]
+    results = _spawn({"seed": 5, "spikes": spikes}, tmp_path)
+    for r in results:
+        assert r["verdicts"] == [] and r["decisions"] == [] and r["stopped_at"] is None
+        assert r["gathers"] == STEPS - StragglerConfig().warmup_steps

@@ -1,0 +1,94 @@
+"""The resilience policy: verdicts posted on any rank become one action, taken by every rank at the same step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_resilience import CheckpointConfig, LocalTier, MemoryTier, TieredCheckpoint
+from lightning_resilience.config.policy import PolicyConfig
+from lightning_resilience.lightning.callbacks.policy import POLICY_STOP_EXIT_CODE, ResiliencePolicy, find_policy
+from lightning_resilience.policy import Action, Event, PolicyBus, PostedVerdict
+from tests.checkpoint._ranks import run_ranks
+from tests.lightning._training import build, trainer
+
+
+def test_config_rejects_actions_that_make_no_sense_for_the_event() -> None:
+    with pytest.raises(ValueError, match=r"policy\.hang must be one of \['log', 'dump_and_exit'\], got 'rollback'"):
+        PolicyConfig(hang="rollback")
+    assert PolicyConfig(straggler="alert").mapping()["straggler"] == "alert"
+
+
+def test_the_most_severe_action_wins_and_nothing_means_none() -> None:
+    bus = PolicyBus(PolicyConfig(straggler="alert"))
+    assert bus.decide(3) is None
+    bus.post(PostedVerdict(Event.STRAGGLER, 4, 0, "rank 0 1.5x slower"))
+    bus.post(PostedVerdict(Event.SDC_MISMATCH, 4, 0, "replica mismatch"))
+    decision = bus.decide(4)
+    assert decision is not None and decision.action is Action.ROLLBACK and len(decision.verdicts) == 2
+    assert bus.decide(5) is None  # verdicts are consumed by the decision
+    assert [d["action"] for d in bus.report()["decisions"]] == ["rollback"]
+
+
+def _scenario_two_ranks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    def reduce_max(value: int) -> int:
+        t = torch.tensor([value])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    bus = PolicyBus(PolicyConfig(), reduce_max)
+    actions = []
+    for step in range(1, 6):
+        if rank == 1 and step == 3:  # only rank 1 sees the straggler
+            bus.post(PostedVerdict(Event.STRAGGLER, step, rank, "rank 1 slow"))
+        decision = bus.decide(step)
+        actions.append(None if decision is None else [step, decision.action.value, len(decision.verdicts)])
+    return {"actions": actions}
+
+
+def test_a_verdict_on_one_rank_is_acted_on_by_all() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(_scenario_two_ranks, 2, Path(tmp))
+    expected_step = [3, "checkpoint_and_stop"]
+    for rank, res in enumerate(results):
+        acted = [a for a in res["actions"] if a is not None]
+        assert [a[:2] for a in acted] == [expected_step], (rank, res)
+        assert acted[0][2] == (1 if rank == 1 else 0)  # the verdict itself stays on the rank that saw it
+
+
+class _SlowRankDetector(Callback):
+    """Stands in for a detector: posts a straggler verdict at one step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            policy = find_policy(trainer)
+            assert policy is not None
+            policy.post(Event.STRAGGLER, self.step, trainer.global_rank, "rank 0 2.0x slower", exit_code=83)
+
+
+@pytest.mark.parametrize("mapping", ["checkpoint_and_stop", "alert"])
+def test_policy_callback_stops_with_a_checkpoint_or_only_alerts(tmp_path: Path, mapping: str) -> None:
+    model, data = build()
+    tiers = [MemoryTier(every_n_steps=1, keep=2), LocalTier(tmp_path, every_n_steps=100, keep=2)]
+    policy = ResiliencePolicy(PolicyConfig(straggler=mapping))
+    # no final flush at train end: a step-6 checkpoint can only come from the policy's checkpoint-and-stop
+    ckpt = TieredCheckpoint(tiers, config=CheckpointConfig(persist_on_train_end=False))
+    t = trainer(20, [_SlowRankDetector(6), policy, ckpt])
+    t.fit(model, datamodule=data)
+    if mapping == "alert":
+        assert t.global_step == 20 and policy.exit_code is None
+        assert tiers[1].list_steps() == []
+    else:
+        assert t.global_step == 6 and policy.exit_code == 83 != POLICY_STOP_EXIT_CODE
+        assert 6 in tiers[1].list_steps()  # saved before stopping
+    assert [d["action"] for d in policy.report()["decisions"]] == [mapping]
