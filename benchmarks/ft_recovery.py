@@ -54,6 +54,7 @@ from lightning_resilience.config.ft import FaultToleranceConfig
 
 MODULE = "benchmarks.ft_recovery"
 DEFAULT_OUT = RESULTS_DIR / "ft_recovery.json"
+TITLE = "Fault tolerance: detection time, restart time and lost work per fault type"
 SCRIPT = REPO_ROOT / "tests" / "ft" / "_ft_script.py"
 FAULTS = ("exception", "sigkill", "hang-loop", "hang-collective", "sigterm")
 QUICK_FAULTS = ("hang-loop", "sigterm")
@@ -172,6 +173,8 @@ def render_markdown(result: dict[str, Any]) -> str:
             ]
         )
     lines = [
+        f"## {TITLE}",
+        "",
         f"Command: `{result['command']}` ({result['date']}, {result['machine']['cpu_count']} CPUs, "
         f"torch {result['machine']['torch']})",
         "",
@@ -188,6 +191,7 @@ def render_markdown(result: dict[str, Any]) -> str:
                 for t in result["targets"]
             ],
         ),
+        "",
     ]  # fmt: skip
     return "\n".join(lines)
 

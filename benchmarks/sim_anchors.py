@@ -52,6 +52,7 @@ from lightning_resilience.sim import (
 
 MODULE = "benchmarks.sim_anchors"
 DEFAULT_OUT = "benchmarks/results/sim_anchors.json"
+TITLE = "Simulator against published anchors (Kokolis, ByteRobust, TrainMover, Daly) and its speed"
 HOUR, DAY = 3600.0, 86400.0
 
 
@@ -257,84 +258,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
 
     mttf = _mttf_anchor(reps)
-    print_flush("## Kokolis: job MTTF against scale (1/N scaling from a reference)\n")
-    print_flush(
-        md_table(
-            ["GPUs", "reference", "published", "simulated", "gap"],
-            [
-                (
-                    r["gpus"],
-                    r["reference"],
-                    f"{r['published_mttf_s'] / HOUR:.2f} h ({r['published_kind']})",
-                    f"{r['simulated_mttf_s'] / HOUR:.2f} h",
-                    _pct(r["gap"]),
-                )
-                for r in mttf["rows"]
-            ],
-        )
-    )
     kok = _kokolis_ettr(reps)
-    print_flush(f"\n## Kokolis: ETTR at 12k GPUs ({kok['assumptions']})\n")
-    print_flush(
-        md_table(
-            ["failures / 1000 node-days", "checkpoint", "job MTTF", "interval", "ETTR (sim)", "ETTR (Daly model)"],
-            [
-                (
-                    r["failures_per_1000_node_days"],
-                    f"{r['checkpoint_s']:g} s",
-                    f"{r['job_mttf_s'] / HOUR:.2f} h",
-                    f"{r['interval_s'] / 60:.1f} min",
-                    f"{r['ettr']:.3f} ± {r['ettr_stderr']:.3f}",
-                    f"{r['daly_model_ettr']:.3f}",
-                )
-                for r in kok["rows"]
-            ],
-        )
-    )
     br = _byterobust(reps)
-    print_flush(f"\n## ByteRobust: 97% ETTR at 9,600 GPUs\n\n{br['assumptions']}\n")
-    print_flush(
-        f"simulated ETTR {_pct(br['ettr'])} ± {_pct(br['ettr_stderr'])}: {br['gap_points']:+.2f} points; this setup "
-        f"reaches 97% once the MTTF at 1,024 GPUs is {br['mttf_at_1024_for_97pct_s'] / HOUR:.1f} h "
-        f"(job MTTF {br['job_mttf_for_97pct_s'] / HOUR:.2f} h at 9,600 GPUs)"
-    )
     tm = _trainmover(reps)
-    print_flush("\n## TrainMover: cold restart 6.47 min at 8,192 GPUs\n")
-    print_flush(
-        f"cold path restart + restore: {tm['cold']['configured_s'] / 60:.2f} min (published 6.47 min, "
-        f"{_pct(tm['gap'])}); downtime per completed recovery {tm['cold']['downtime_per_recovery_s'] / 60:.2f} min "
-        f"({_pct(tm['effective_gap'])}: failures during a recovery restart it), warm spare "
-        f"{tm['warm_spare']['downtime_per_recovery_s']:.0f} s; "
-        f"ETTR cold {_pct(tm['cold']['ettr'])}, warm spare {_pct(tm['warm_spare']['ettr'])}"
-    )
     daly = _daly(reps)
-    print_flush("\n## Daly: simulated optimum interval and ETTR against the formula\n")
-    print_flush(
-        md_table(
-            ["delta", "MTTF", "R", "delta/M", "Young", "Daly", "sim optimum", "gap", "sim ETTR @Daly", "Daly ETTR"],
-            [
-                (
-                    f"{r['delta_s']:g} s",
-                    f"{r['mttf_s'] / HOUR:g} h",
-                    f"{r['restart_s']:g} s",
-                    f"{r['delta_over_mttf']:.3f}",
-                    f"{r['young_s']:.0f} s",
-                    f"{r['daly_s']:.0f} s",
-                    f"{r['simulated_optimum_s']:.0f} s",
-                    _pct(r["optimum_gap"]),
-                    f"{r['sim_ettr_at_daly']:.4f}",
-                    f"{r['daly_model_ettr']:.4f}",
-                )
-                for r in daly["rows"]
-            ],
-        )
-    )
     speed = _speed(3 if args.quick else 7)
-    print_flush(
-        f"\n## Speed\n\n90-day 10,000-GPU job ({speed['failures_mean']:.0f} failures): median "
-        f"{speed['seconds_median'] * 1e3:.0f} ms, max {speed['seconds_max'] * 1e3:.0f} ms per simulation"
-    )
-
     kokolis_ok = [r for r in kok["rows"] if r["ettr"] >= 0.88]
     targets = [
         target("MTTF at 1,024 GPUs (sim / 7.9 h - 1)", abs(mttf["rows"][1]["gap"]), "<=", 0.05),
@@ -358,33 +286,121 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         target("90-day 10,000-GPU simulation (s)", speed["seconds_median"], "<=", 5.0),
     ]
-    print_flush(
-        "\n"
-        + md_table(
-            ["target", "value", "goal", "verdict"],
-            [(t["name"], f"{t['value']:.4g}", f"{t['op']} {t['threshold']:g}", t["verdict"]) for t in targets],
-        )
-    )
-    write_json(
-        args.out,
-        {
-            "benchmark": "sim_anchors",
-            "command": command_line(MODULE, list(argv) if argv is not None else sys.argv[1:]),
-            "date": now_iso(),
-            "machine": machine_info(),
-            "config": {"quick": args.quick, "replications": reps},
-            "kokolis_mttf": mttf,
-            "kokolis_ettr": kok,
-            "byterobust": br,
-            "trainmover": tm,
-            "daly": daly,
-            "speed": speed,
-            "targets": targets,
-            "elapsed_s": time.perf_counter() - started,
-        },
-    )
+    result = {
+        "benchmark": "sim_anchors",
+        "command": command_line(MODULE, list(argv) if argv is not None else sys.argv[1:]),
+        "date": now_iso(),
+        "machine": machine_info(),
+        "config": {"quick": args.quick, "replications": reps},
+        "kokolis_mttf": mttf,
+        "kokolis_ettr": kok,
+        "byterobust": br,
+        "trainmover": tm,
+        "daly": daly,
+        "speed": speed,
+        "targets": targets,
+        "elapsed_s": time.perf_counter() - started,
+    }
+    print_flush(render_markdown(result))
+    write_json(args.out, result)
     print_flush(f"\nresults: {args.out}")
     return 0
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    """The anchors as Markdown (printed by :func:`main`, and the section of docs/benchmarks.md)."""
+    mttf, kok, br = result["kokolis_mttf"], result["kokolis_ettr"], result["byterobust"]
+    tm, daly, speed = result["trainmover"], result["daly"], result["speed"]
+    out = [
+        f"## {TITLE}",
+        "",
+        f"`{result['command']}` ({result['date']}), {result['config']['replications']} replications per figure.",
+        "",
+        "### Kokolis: job MTTF against scale (1/N scaling from a reference)",
+        "",
+        md_table(
+            ["GPUs", "reference", "published", "simulated", "gap"],
+            [
+                (
+                    r["gpus"],
+                    r["reference"],
+                    f"{r['published_mttf_s'] / HOUR:.2f} h ({r['published_kind']})",
+                    f"{r['simulated_mttf_s'] / HOUR:.2f} h",
+                    _pct(r["gap"]),
+                )
+                for r in mttf["rows"]
+            ],
+        ),
+        "",
+        f"### Kokolis: ETTR at 12k GPUs ({kok['assumptions']})",
+        "",
+        md_table(
+            ["failures / 1000 node-days", "checkpoint", "job MTTF", "interval", "ETTR (sim)", "ETTR (Daly model)"],
+            [
+                (
+                    r["failures_per_1000_node_days"],
+                    f"{r['checkpoint_s']:g} s",
+                    f"{r['job_mttf_s'] / HOUR:.2f} h",
+                    f"{r['interval_s'] / 60:.1f} min",
+                    f"{r['ettr']:.3f} ± {r['ettr_stderr']:.3f}",
+                    f"{r['daly_model_ettr']:.3f}",
+                )
+                for r in kok["rows"]
+            ],
+        ),
+        "",
+        "### ByteRobust: 97% ETTR at 9,600 GPUs",
+        "",
+        br["assumptions"],
+        "",
+        f"simulated ETTR {_pct(br['ettr'])} ± {_pct(br['ettr_stderr'])}: {br['gap_points']:+.2f} points; this setup "
+        f"reaches 97% once the MTTF at 1,024 GPUs is {br['mttf_at_1024_for_97pct_s'] / HOUR:.1f} h "
+        f"(job MTTF {br['job_mttf_for_97pct_s'] / HOUR:.2f} h at 9,600 GPUs)",
+        "",
+        "### TrainMover: cold restart 6.47 min at 8,192 GPUs",
+        "",
+        f"cold path restart + restore: {tm['cold']['configured_s'] / 60:.2f} min (published 6.47 min, "
+        f"{_pct(tm['gap'])}); downtime per completed recovery {tm['cold']['downtime_per_recovery_s'] / 60:.2f} min "
+        f"({_pct(tm['effective_gap'])}: failures during a recovery restart it), warm spare "
+        f"{tm['warm_spare']['downtime_per_recovery_s']:.0f} s; "
+        f"ETTR cold {_pct(tm['cold']['ettr'])}, warm spare {_pct(tm['warm_spare']['ettr'])}",
+        "",
+        "### Daly: simulated optimum interval and ETTR against the formula",
+        "",
+        md_table(
+            ["delta", "MTTF", "R", "delta/M", "Young", "Daly", "sim optimum", "gap", "sim ETTR @Daly", "Daly ETTR"],
+            [
+                (
+                    f"{r['delta_s']:g} s",
+                    f"{r['mttf_s'] / HOUR:g} h",
+                    f"{r['restart_s']:g} s",
+                    f"{r['delta_over_mttf']:.3f}",
+                    f"{r['young_s']:.0f} s",
+                    f"{r['daly_s']:.0f} s",
+                    f"{r['simulated_optimum_s']:.0f} s",
+                    _pct(r["optimum_gap"]),
+                    f"{r['sim_ettr_at_daly']:.4f}",
+                    f"{r['daly_model_ettr']:.4f}",
+                )
+                for r in daly["rows"]
+            ],
+        ),
+        "",
+        "### Speed",
+        "",
+        f"90-day 10,000-GPU job ({speed['failures_mean']:.0f} failures): median "
+        f"{speed['seconds_median'] * 1e3:.0f} ms, max {speed['seconds_max'] * 1e3:.0f} ms per simulation",
+        "",
+        md_table(
+            ["target", "value", "goal", "verdict"],
+            [
+                (t["name"], f"{t['value']:.4g}", f"{t['op']} {t['threshold']:g}", t["verdict"])
+                for t in result["targets"]
+            ],
+        ),
+        "",
+    ]
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from typing import Any
 
 MODULE = "benchmarks.sim_validation"
 DEFAULT_OUT = "benchmarks/results/sim_validation.json"
+TITLE = "Simulator against a real fault-injected run on this machine (ETTR)"
 TARGET_GAP_POINTS = 5.0
 WORLD_SIZE = 2
 RESUME_STEPS = 5
@@ -380,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import numpy as np
 
-    from benchmarks._common import command_line, machine_info, md_table, now_iso, print_flush, target, write_json
+    from benchmarks._common import command_line, machine_info, now_iso, print_flush, target, write_json
 
     steps = args.steps or (250 if args.quick else 600)
     mttf = args.mttf or 60.0
@@ -416,64 +417,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     gap_replay = 100 * (p["replay_ettr"] - m["ettr"])
     gap_poisson = 100 * (p["poisson_ettr_mean"] - m["ettr"])
-    rb = p["replay"]["breakdown_s"]
-    print_flush(
-        md_table(
-            ["", "wall", "ETTR", "lost", "down (detect+restart+restore)", "checkpoint", "failures"],
-            [
-                (
-                    "measured",
-                    f"{m['wall_s']:.1f} s",
-                    f"{100 * m['ettr']:.1f}%",
-                    f"{m['lost_s']:.1f} s",
-                    f"{m['down_s']:.1f} s",
-                    f"{m['checkpoint_s']:.2f} s",
-                    m["kills"],
-                ),
-                (
-                    "simulated, same kills",
-                    f"{p['replay']['wall_s']:.1f} s",
-                    f"{100 * p['replay_ettr']:.1f}%",
-                    f"{rb['lost']:.1f} s",
-                    f"{rb['detection'] + rb['restart'] + rb['restore']:.1f} s",
-                    f"{rb['checkpoint']:.2f} s",
-                    sum(p["replay"]["failures"].values()),
-                ),
-                (
-                    f"simulated, Poisson mean of {args.replications}",
-                    "",
-                    f"{100 * p['poisson_ettr_mean']:.1f}% "
-                    f"(p10-p90 {100 * p['poisson_ettr_p10_p90'][0]:.0f}-{100 * p['poisson_ettr_p10_p90'][1]:.0f}%)",
-                    "",
-                    "",
-                    "",
-                    f"{p['poisson_failures_mean']:.1f}",
-                ),
-            ],
-        )
-    )
-    print_flush(
-        f"measured costs: step {m['step_s'] * 1e3:.1f} ms, checkpoint blocking {m['blocking_s'] * 1e3:.1f} ms, "
-        f"write {m['write_s'] * 1e3:.1f} ms, restore {m['restore_s'] * 1e3:.1f} ms, restart {m['restart_s']:.2f} s "
-        f"(samples {', '.join(f'{x:.1f}' for x in m['restart_samples_s'])})"
-    )
-    print_flush(
-        f"ETTR gap: same kills {gap_replay:+.2f} points (target: within {TARGET_GAP_POINTS:g}); Poisson mean "
-        f"{gap_poisson:+.2f} points, the measured run at the {p['measured_percentile']:.0f}th percentile of "
-        f"{args.replications} simulated runs (one run is one draw: target within the 95% band)"
-    )
     targets = [
         target("ETTR gap, simulator replaying the kills (points)", abs(gap_replay), "<=", TARGET_GAP_POINTS),
         # one real run is one draw: it should fall inside the simulated spread, not on its mean (a 95% band)
         target("percentile of the measured ETTR among simulated runs", p["measured_percentile"], ">=", 2.5),
         target("percentile of the measured ETTR among simulated runs", p["measured_percentile"], "<=", 97.5),
     ]
-    print_flush(
-        md_table(
-            ["target", "value", "goal", "verdict"],
-            [(t["name"], f"{t['value']:.3g}", f"{t['op']} {t['threshold']:g}", t["verdict"]) for t in targets],
-        )
-    )
     write_json(
         args.out,
         {
@@ -498,8 +447,77 @@ def main(argv: Sequence[str] | None = None) -> int:
             "elapsed_s": time.perf_counter() - started,
         },
     )
+    print_flush(render_markdown(json.loads(Path(args.out).read_text())))
     print_flush(f"results: {args.out}")
     return 0
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    """The comparison as Markdown (printed by :func:`main`, and the section of docs/benchmarks.md)."""
+    from benchmarks._common import md_table
+
+    m, p, cfg = result["measured"], result["predicted"], result["config"]
+    gap_replay, gap_poisson = result["gap_points"]["replay"], result["gap_points"]["poisson_mean"]
+    rb = p["replay"]["breakdown_s"]
+    table = md_table(
+        ["", "wall", "ETTR", "lost", "down (detect+restart+restore)", "checkpoint", "failures"],
+        [
+            (
+                "measured",
+                f"{m['wall_s']:.1f} s",
+                f"{100 * m['ettr']:.1f}%",
+                f"{m['lost_s']:.1f} s",
+                f"{m['down_s']:.1f} s",
+                f"{m['checkpoint_s']:.2f} s",
+                m["kills"],
+            ),
+            (
+                "simulated, same kills",
+                f"{p['replay']['wall_s']:.1f} s",
+                f"{100 * p['replay_ettr']:.1f}%",
+                f"{rb['lost']:.1f} s",
+                f"{rb['detection'] + rb['restart'] + rb['restore']:.1f} s",
+                f"{rb['checkpoint']:.2f} s",
+                sum(p["replay"]["failures"].values()),
+            ),
+            (
+                f"simulated, Poisson mean of {cfg['replications']}",
+                "",
+                f"{100 * p['poisson_ettr_mean']:.1f}% "
+                f"(p10-p90 {100 * p['poisson_ettr_p10_p90'][0]:.0f}-{100 * p['poisson_ettr_p10_p90'][1]:.0f}%)",
+                "",
+                "",
+                "",
+                f"{p['poisson_failures_mean']:.1f}",
+            ),
+        ],
+    )
+    return "\n".join(
+        [
+            f"## {TITLE}",
+            "",
+            f"`{result['command']}` ({result['date']}): {cfg['steps']} steps on {cfg['world_size']} ranks under "
+            f"torchrun, LocalTier every {cfg['every']} steps, SIGKILLs every ~{cfg['mttf_s']:g} s.",
+            "",
+            table,
+            "",
+            f"measured costs: step {m['step_s'] * 1e3:.1f} ms, checkpoint blocking {m['blocking_s'] * 1e3:.1f} ms, "
+            f"write {m['write_s'] * 1e3:.1f} ms, restore {m['restore_s'] * 1e3:.1f} ms, restart {m['restart_s']:.2f} s",
+            "",
+            f"ETTR gap: same kills {gap_replay:+.2f} points (target: within {TARGET_GAP_POINTS:g}); Poisson mean "
+            f"{gap_poisson:+.2f} points, the measured run at the {p['measured_percentile']:.0f}th percentile of "
+            f"{cfg['replications']} simulated runs (one run is one draw: target within the 95% band)",
+            "",
+            md_table(
+                ["target", "value", "goal", "verdict"],
+                [
+                    (t["name"], f"{t['value']:.3g}", f"{t['op']} {t['threshold']:g}", t["verdict"])
+                    for t in result["targets"]
+                ],
+            ),
+            "",
+        ]
+    )
 
 
 if __name__ == "__main__":
