@@ -4,10 +4,17 @@ It implements the ``state_dict`` / ``load_state_dict`` protocol that Lightning's
 stateful dataloaders. Exactness across the epoch boundary needs the shuffle order to be reproducible: the loader
 records the global torch RNG state at the start of each epoch, and on resume replays the epoch start from it and
 skips the batches already consumed, then puts the caller's RNG state back. No RNG draw is added or lost.
+
+Elastic restarts: when the job comes back with another number of data-parallel ranks, the position is remapped.
+A ``DistributedSampler`` deals the epoch's permutation out round-robin, so after ``k`` batches on each of ``N``
+ranks the job has consumed the first ``k * N * batch_size`` samples; on ``M`` ranks each rank skips
+``k * N / M`` batches to continue right after them (rounded down: at most ``N / M`` batches per rank are seen twice
+when ``M`` does not divide ``k * N``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +22,8 @@ import torch
 from torch.utils.data import DataLoader
 
 __all__ = ["ResumableDataLoader"]
+
+log = logging.getLogger(__name__)
 
 
 class ResumableDataLoader(DataLoader):
@@ -32,10 +41,28 @@ class ResumableDataLoader(DataLoader):
         self._first_rng: torch.Tensor | None = None
         self._resume: dict[str, Any] | None = None
 
+    @property
+    def replicas(self) -> int:
+        """Data-parallel ranks sharing the epoch (the ``DistributedSampler``'s ``num_replicas``, else 1)."""
+        return int(getattr(self.sampler, "num_replicas", 1) or 1)
+
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         resume, self._resume = self._resume, None
-        if resume is not None and resume["epoch_rng"] is not None and 0 < resume["yielded"] < len(self):
-            return self._resumed(resume["epoch_rng"], resume["first_rng"], int(resume["yielded"]))
+        if resume is not None:
+            yielded = int(resume["yielded"])
+            saved = int(resume.get("replicas") or self.replicas)
+            if saved != self.replicas:  # an elastic restart: continue after the samples the old ranks consumed
+                remapped = yielded * saved // self.replicas
+                log.info(
+                    "data position remapped from %d batches on %d ranks to %d batches on %d ranks",
+                    yielded,
+                    saved,
+                    remapped,
+                    self.replicas,
+                )
+                yielded = remapped
+            if resume["epoch_rng"] is not None and 0 < yielded < len(self):
+                return self._resumed(resume["epoch_rng"], resume["first_rng"], yielded)
         return self._fresh()
 
     def _fresh(self) -> Iterator[Any]:
@@ -76,6 +103,7 @@ class ResumableDataLoader(DataLoader):
             "epoch_rng": None if self._epoch_rng is None else self._epoch_rng.clone(),
             "first_rng": None if self._first_rng is None else self._first_rng.clone(),
             "yielded": self._yielded,
+            "replicas": self.replicas,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -88,4 +116,5 @@ class ResumableDataLoader(DataLoader):
             "epoch_rng": as_state(state_dict.get("epoch_rng")),
             "first_rng": as_state(state_dict.get("first_rng")),
             "yielded": int(state_dict.get("yielded", 0)),
+            "replicas": state_dict.get("replicas"),
         }

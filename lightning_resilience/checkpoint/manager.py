@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError, CheckpointWorkerError, NoValidCheckpointError
 from lightning_resilience.checkpoint.memory import MemoryTier
-from lightning_resilience.checkpoint.reshard import restore_resharded_agreed
+from lightning_resilience.checkpoint.reshard import reshardable_steps, restore_resharded_agreed
 from lightning_resilience.checkpoint.snapshot import HostSnapshot, SnapshotPool
 from lightning_resilience.checkpoint.tier import Tier, TierIdentity
 from lightning_resilience.checkpoint.tree import DTensorRebuilder, flatten_state, unflatten_state
@@ -429,6 +429,11 @@ class CheckpointManager:
             common &= {step}
         if max_step is not None:
             common = {s for s in common if s <= max_step}
+        if step is None and common and self.config.allow_reshard:
+            # a newer step written by another world size (the job shrank or grew since) beats an older native one
+            resharded = self._restore_resharded(max_step, rebuild_dtensor, start, newer_than=max(common))
+            if resharded is not None:
+                return resharded
         for candidate in sorted(common, reverse=True):
             snap, source = None, ""
             for tier in where[candidate]:
@@ -476,10 +481,23 @@ class CheckpointManager:
         return None
 
     def _restore_resharded(
-        self, max_step: int | None, rebuild_dtensor: DTensorRebuilder | None, start: float
+        self,
+        max_step: int | None,
+        rebuild_dtensor: DTensorRebuilder | None,
+        start: float,
+        newer_than: int | None = None,
     ) -> Restored | None:
-        """Collective: restore the newest step that a job of another world size wrote, resharded for this one."""
+        """Collective: restore the newest step that a job of another world size wrote, resharded for this one
+        (only if it is newer than ``newer_than``, the best step loadable as it is)."""
         roots = {t.name: root for t in self._persistent if isinstance(root := getattr(t, "root", None), Path)}
+        if newer_than is not None:
+            newer = any(
+                s > newer_than and (max_step is None or s <= max_step)
+                for root in roots.values()
+                for s in reshardable_steps(root, self.world_size)
+            )
+            if self._all_true(not newer):  # collective: every rank takes the same path
+                return None
         if not roots:
             return None
 
@@ -499,6 +517,8 @@ class CheckpointManager:
         if found is None:
             return None
         name, res = found
+        if newer_than is not None and res.step <= newer_than:
+            return None  # the same on every rank: the agreed step is older than a native one
         elapsed = self._clock() - start
         self.stats.restored_step, self.stats.restored_from, self.stats.restore_seconds = res.step, name, elapsed
         log.warning(

@@ -226,3 +226,36 @@ def test_is_a_lightning_stateful() -> None:
     state = loader.state_dict()
     assert state["yielded"] == 0
     json.dumps(flatten_state(state).skeleton, allow_nan=False)  # storable by the checkpoint codec
+
+
+@pytest.mark.parametrize(("old", "new", "consumed"), [(4, 2, 3), (2, 4, 4), (2, 3, 3)])
+def test_elastic_restart_continues_after_the_consumed_samples(old: int, new: int, consumed: int) -> None:
+    """N ranks consume k batches each; M ranks resumed from one rank's state cover the rest of the epoch, and
+    together with what was consumed every sample is seen once (up to N/M batches twice when M does not divide)."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    data = list(range(48))
+
+    def loader(world: int, rank: int) -> ResumableDataLoader:
+        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=5)  # type: ignore[arg-type]
+        return ResumableDataLoader(data, batch_size=2, sampler=sampler)  # type: ignore[arg-type]
+
+    seen: list[int] = []
+    states = []
+    for rank in range(old):
+        dl = loader(old, rank)
+        it = iter(dl)
+        for _ in range(consumed):
+            seen += next(it).tolist()
+        states.append(dl.state_dict())
+    assert states[0]["replicas"] == old
+    rest: list[int] = []
+    for rank in range(new):
+        dl = loader(new, rank)
+        dl.load_state_dict(states[rank % old])
+        rest += [x for batch in dl for x in batch.tolist()]
+    overlap = set(seen) & set(rest)
+    assert set(seen) | set(rest) == set(data)  # nothing of the epoch is lost
+    assert len(overlap) <= -(-old // new) * 2 * new  # at most ceil(N/M) batches per new rank seen again
+    if (consumed * old) % new == 0:
+        assert overlap == set() and len(rest) == len(data) - len(seen)
