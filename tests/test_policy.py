@@ -14,7 +14,7 @@ from lightning_resilience import CheckpointConfig, LocalTier, MemoryTier, Tiered
 from lightning_resilience.config.policy import PolicyConfig
 from lightning_resilience.lightning.callbacks.policy import POLICY_STOP_EXIT_CODE, ResiliencePolicy, find_policy
 from lightning_resilience.policy import Action, Event, PolicyBus, PostedVerdict
-from tests.checkpoint._ranks import run_ranks
+from tests._ranks import run_ranks
 from tests.lightning._training import build, trainer
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_resilience.checkpoint.determinism import ordered_allreduce_hook
-from tests.checkpoint._ranks import run_ranks
+from tests._ranks import run_ranks
 
 
 def _grads(rank: int, bucket_cap_mb: float, hook: bool) -> list[torch.Tensor]:

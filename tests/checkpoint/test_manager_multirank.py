@@ -6,11 +6,7 @@ parent asserts on both files. Every collective and every wait has a bound.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import time
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -19,13 +15,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_resilience.checkpoint.local import LocalTier, step_dirname
 from lightning_resilience.checkpoint.manager import CheckpointManager
 from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.config.checkpoint import CheckpointConfig
+from tests._ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -222,49 +218,13 @@ _SCENARIOS: dict[str, Callable[[int, Path], dict[str, Any]]] = {
 }
 
 
-def _child(rank: int, tmp: str, scenario: str) -> None:
-    """Entry point of one spawned rank: run the scenario, write its result (or its traceback) to a file."""
-    out = Path(tmp) / f"result_rank{rank}.json"
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # both ranks on this host
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/pg_store", rank=rank, world_size=WORLD, timeout=PG_TIMEOUT
-    )
-    try:
-        result = _SCENARIOS[scenario](rank, Path(tmp))
-        out.write_text(json.dumps({"ok": True, **result}))
-    except BaseException:
-        out.write_text(json.dumps({"ok": False, "traceback": traceback.format_exc()}))
-        raise
-    finally:
-        dist.destroy_process_group()
+def _named(rank: int, world: int, tmp: Path, scenario: str) -> dict[str, Any]:
+    return _SCENARIOS[scenario](rank, tmp)
 
 
-# ------------------------------------------------------------------------------------------------- in the parent
 def _spawn(scenario: str, tmp: Path) -> list[dict[str, Any]]:
-    """Run ``scenario`` on two ranks and return each rank's result; fails (never hangs) past the deadline."""
-    # a forkserver that has imported this module once forks each rank in well under a second; "spawn" would pay
-    # the ~5 s torch+lightning import per rank per test, and "fork" is unsafe once CUDA is up in the parent
-    mp.get_context("forkserver").set_forkserver_preload([_child.__module__])
-    ctx = mp.start_processes(_child, args=(str(tmp), scenario), nprocs=WORLD, join=False, start_method="forkserver")
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    crashed: Exception | None = None
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"scenario {scenario!r} did not finish within {SPAWN_DEADLINE_S}s")
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-        crashed = err  # one rank failed and torch stopped the other; report both ranks' tracebacks below
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-    files = [tmp / f"result_rank{rank}.json" for rank in range(WORLD)]
-    results = [json.loads(f.read_text()) if f.exists() else {"ok": False, "traceback": "(no result)"} for f in files]
-    failed = [f"rank {rank}:\n{res['traceback']}" for rank, res in enumerate(results) if not res.pop("ok")]
-    if failed or crashed is not None:
-        pytest.fail(f"scenario {scenario!r} failed: {crashed}\n" + "\n".join(failed))
-    return results
+    """Run ``scenario`` on every rank and return each rank's result; fails (never hangs) past the deadline."""
+    return run_ranks(_named, WORLD, tmp, scenario, deadline_s=SPAWN_DEADLINE_S, pg_timeout=PG_TIMEOUT)
 
 
 def test_both_ranks_restore_the_same_newest_step(tmp_path: Path) -> None:

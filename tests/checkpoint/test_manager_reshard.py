@@ -10,7 +10,7 @@ import torch
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.manager import CheckpointManager
 from lightning_resilience.config.checkpoint import CheckpointConfig
-from tests.checkpoint._ranks import run_ranks
+from tests._ranks import run_ranks
 
 
 def _state(rank: int, step: int) -> dict[str, Any]:

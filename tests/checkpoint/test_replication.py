@@ -15,7 +15,7 @@ from lightning_resilience.checkpoint.manager import CheckpointManager
 from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.checkpoint.replication import PeerTier, ReplicaPlacement, _pack, _unpack
 from lightning_resilience.config.checkpoint import CheckpointConfig, PeerTierConfig
-from tests.checkpoint._ranks import run_ranks
+from tests._ranks import run_ranks
 from tests.checkpoint.conftest import assert_state_equal, make_state, state_at
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
-import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from functools import partial
@@ -21,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -44,6 +41,7 @@ from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tier import TierIdentity
 from lightning_resilience.checkpoint.tree import flatten_state, placement_from_text
 from lightning_resilience.config.checkpoint import CheckpointConfig
+from tests._ranks import run_ranks
 from tests.checkpoint.conftest import data_file, flip_byte, rewrite_manifest
 
 pytestmark = pytest.mark.timeout(120)
@@ -367,45 +365,12 @@ _SCENARIOS: dict[str, Callable[[int, Path], dict[str, Any]]] = {
 }
 
 
-def _child(rank: int, tmp: str, scenario: str) -> None:
-    out = Path(tmp) / f"result_rank{rank}.json"
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/pg_store", rank=rank, world_size=WORLD, timeout=PG_TIMEOUT
-    )
-    try:
-        result = _SCENARIOS[scenario](rank, Path(tmp))
-        out.write_text(json.dumps({"ok": True, **result}))
-    except BaseException:
-        out.write_text(json.dumps({"ok": False, "traceback": traceback.format_exc()}))
-        raise
-    finally:
-        dist.destroy_process_group()
+def _named(rank: int, world: int, tmp: Path, scenario: str) -> dict[str, Any]:
+    return _SCENARIOS[scenario](rank, tmp)
 
 
-# ------------------------------------------------------------------------------------------------- in the parent
 def _spawn(scenario: str, tmp: Path) -> list[dict[str, Any]]:
-    mp.get_context("forkserver").set_forkserver_preload([_child.__module__])
-    ctx = mp.start_processes(_child, args=(str(tmp), scenario), nprocs=WORLD, join=False, start_method="forkserver")
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    crashed: Exception | None = None
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"scenario {scenario!r} did not finish within {SPAWN_DEADLINE_S}s")
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-        crashed = err
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-    files = [tmp / f"result_rank{rank}.json" for rank in range(WORLD)]
-    results = [json.loads(f.read_text()) if f.exists() else {"ok": False, "traceback": "(no result)"} for f in files]
-    failed = [f"rank {rank}:\n{res['traceback']}" for rank, res in enumerate(results) if not res.pop("ok")]
-    if failed or crashed is not None:
-        pytest.fail(f"scenario {scenario!r} failed: {crashed}\n" + "\n".join(failed))
-    return results
+    return run_ranks(_named, WORLD, tmp, scenario, deadline_s=SPAWN_DEADLINE_S, pg_timeout=PG_TIMEOUT)
 
 
 def test_ddp_replicated_state_reshards_4_to_2_and_2_to_4(tmp_path: Path) -> None:

@@ -5,21 +5,16 @@ same step. Each rank writes its result to a JSON file; the parent asserts on all
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_resilience.config.straggler import StragglerConfig, StragglerLevelConfig
 from lightning_resilience.straggler import StragglerDetector
+from tests._ranks import run_ranks
 from tests.straggler._sim import FakeClock, jitter_cost
 
 pytestmark = pytest.mark.timeout(120)
@@ -68,43 +63,12 @@ def _run(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         detector.close()
 
 
-def _child(rank: int, tmp: str, spec: dict[str, Any]) -> None:
-    out = Path(tmp) / f"result_rank{rank}.json"
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg_store", rank=rank, world_size=WORLD,
-                            timeout=PG_TIMEOUT)  # fmt: skip
-    try:
-        out.write_text(json.dumps({"ok": True, **_run(rank, spec)}))
-    except BaseException:
-        out.write_text(json.dumps({"ok": False, "traceback": traceback.format_exc()}))
-        raise
-    finally:
-        dist.destroy_process_group()
+def _ranked(rank: int, world: int, tmp: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    return _run(rank, spec)
 
 
-# ------------------------------------------------------------------------------------------------- in the parent
 def _spawn(spec: dict[str, Any], tmp: Path) -> list[dict[str, Any]]:
-    mp.get_context("forkserver").set_forkserver_preload([_child.__module__])
-    ctx = mp.start_processes(_child, args=(str(tmp), spec), nprocs=WORLD, join=False, start_method="forkserver")
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    crashed: Exception | None = None
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"{spec} did not finish within {SPAWN_DEADLINE_S}s")
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-        crashed = err
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-    files = [tmp / f"result_rank{rank}.json" for rank in range(WORLD)]
-    results = [json.loads(f.read_text()) if f.exists() else {"ok": False, "traceback": "(no result)"} for f in files]
-    failed = [f"rank {rank}:\n{res['traceback']}" for rank, res in enumerate(results) if not res.pop("ok")]
-    if failed or crashed is not None:
-        pytest.fail(f"{spec} failed: {crashed}\n" + "\n".join(failed))
-    return results
+    return run_ranks(_ranked, WORLD, tmp, spec, deadline_s=SPAWN_DEADLINE_S, pg_timeout=PG_TIMEOUT)
 
 
 def test_slow_rank_named_within_bound_and_stop_reaches_every_rank(tmp_path: Path) -> None:

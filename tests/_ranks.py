@@ -17,17 +17,18 @@ import torch.multiprocessing as mp
 
 PG_TIMEOUT = timedelta(seconds=60)
 
-Scenario = Callable[[int, int, Path], dict[str, Any]]
+Scenario = Callable[..., dict[str, Any]]
+"""``scenario(rank, world, tmp, *args) -> JSON-able result`` (a module-level function: it is pickled by name)."""
 
 
-def _child(rank: int, tmp: str, world: int, scenario: Scenario) -> None:
+def _child(rank: int, tmp: str, world: int, scenario: Scenario, args: tuple[Any, ...], timeout_s: float) -> None:
     out = Path(tmp) / f"result_rank{rank}.json"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/pg_store", rank=rank, world_size=world, timeout=PG_TIMEOUT
+        "gloo", init_method=f"file://{tmp}/pg_store", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
     )
     try:
-        result = scenario(rank, world, Path(tmp))
+        result = scenario(rank, world, Path(tmp), *args)
         out.write_text(json.dumps({"ok": True, **result}))
     except BaseException:
         out.write_text(json.dumps({"ok": False, "traceback": traceback.format_exc()}))
@@ -36,11 +37,27 @@ def _child(rank: int, tmp: str, world: int, scenario: Scenario) -> None:
         dist.destroy_process_group()
 
 
-def run_ranks(scenario: Scenario, world: int, tmp: Path, deadline_s: float = 90.0) -> list[dict[str, Any]]:
-    """Run ``scenario(rank, world, tmp)`` on ``world`` ranks; fails (never hangs) past ``deadline_s``."""
+def run_ranks(
+    scenario: Scenario,
+    world: int,
+    tmp: Path,
+    *args: Any,
+    deadline_s: float = 90.0,
+    pg_timeout: timedelta = PG_TIMEOUT,
+) -> list[dict[str, Any]]:
+    """Run ``scenario(rank, world, tmp, *args)`` on ``world`` gloo ranks and return each rank's result.
+
+    Ranks are forked from a forkserver that has imported the scenario's module once (well under a second per rank;
+    "spawn" would pay the torch + lightning import per rank). Fails, never hangs, past ``deadline_s``; a rank that
+    raised is reported with its traceback.
+    """
     mp.get_context("forkserver").set_forkserver_preload([scenario.__module__])
     ctx = mp.start_processes(
-        _child, args=(str(tmp), world, scenario), nprocs=world, join=False, start_method="forkserver"
+        _child,
+        args=(str(tmp), world, scenario, args, pg_timeout.total_seconds()),
+        nprocs=world,
+        join=False,
+        start_method="forkserver",
     )
     deadline = time.monotonic() + deadline_s
     crashed: Exception | None = None
