@@ -355,8 +355,7 @@ def _read_state(shard: ShardRef) -> tuple[dict[str, Any], int]:
     manifest = read_manifest(shard.path)
     if _STEP_RE.match(shard.path.parent.name):
         tier = DeltaLocalTier(shard.root, every_n_steps=1, keep=1, name=shard.tier)
-        # not bind(): it also sweeps this rank's temporaries, and a read-only tool must not touch a live job's files
-        tier._identity = TierIdentity(manifest.rank, manifest.world_size)
+        tier.bind_for_reading(TierIdentity(manifest.rank, manifest.world_size))
         snap = tier.read(shard.step)
     else:
         _, snap = read_shard(shard.path)

@@ -72,6 +72,11 @@ class LocalTier:
         self._identity = identity
         self._remove_stale_temporaries()
 
+    def bind_for_reading(self, identity: TierIdentity) -> None:
+        """Read ``identity``'s shards without taking the rank over: unlike :meth:`bind`, removes nothing (a tool
+        that inspects a live job's directory must not sweep the temporaries it is writing)."""
+        self._identity = identity
+
     def shard_dir(self, step: int) -> Path:
         return self.root / step_dirname(step) / self._rank_name
 
