@@ -43,7 +43,7 @@ from lightning_resilience.checkpoint.local import LocalTier, step_dirname
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tier import TierIdentity
 
-__all__ = ["PeerTier", "ReplicaPlacement", "default_peer_path"]
+__all__ = ["PLACEMENTS", "PeerTier", "ReplicaPlacement", "default_peer_path"]
 
 log = logging.getLogger(__name__)
 _RANK_RE = re.compile(r"^rank_(\d{5})$")
@@ -55,33 +55,48 @@ def default_peer_path() -> str:
     return f"/dev/shm/lightning_resilience/{os.environ.get('TORCHELASTIC_RUN_ID', 'default')}"
 
 
+PLACEMENTS = ("ring", "spread")
+
+
 class ReplicaPlacement:
-    """Which ranks hold whose shards: a ring over nodes of ``ranks_per_node`` consecutive ranks (torchrun's order).
+    """Which ranks hold whose shards: nodes are ``ranks_per_node`` consecutive ranks (torchrun's order), and a rank's
+    copies go to the same local rank on other nodes.
 
     Args:
         world_size: ranks in the job.
         ranks_per_node: ranks sharing one node (and so one failure domain).
         replicas: peer copies of each shard, each on a different other node.
+        placement: ``"ring"``: the next ``replicas`` nodes (Gemini's ring; neighbours exchange, so transfers stay
+            local to a switch when nodes are numbered by rack); ``"spread"``: nodes evenly spaced around the job
+            (``num_nodes / (replicas + 1)`` apart), so one copy survives the loss of a contiguous block of nodes
+            such as a rack.
     """
 
-    def __init__(self, world_size: int, ranks_per_node: int, replicas: int) -> None:
+    def __init__(self, world_size: int, ranks_per_node: int, replicas: int, placement: str = "ring") -> None:
         if ranks_per_node < 1 or world_size % ranks_per_node:
             raise ValueError(f"tiers.peer.ranks_per_node must divide the world size {world_size}, got {ranks_per_node}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"tiers.peer.placement must be one of {list(PLACEMENTS)}, got {placement!r}")
         self.world_size = world_size
         self.ranks_per_node = ranks_per_node
         self.num_nodes = world_size // ranks_per_node
         self.replicas = min(replicas, self.num_nodes - 1)
+        if placement == "ring":
+            self.offsets = list(range(1, self.replicas + 1))
+        else:
+            self.offsets = [k * self.num_nodes // (self.replicas + 1) for k in range(1, self.replicas + 1)]
+        self.placement = placement
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
 
     def targets(self, rank: int) -> list[int]:
         """Ranks that hold a copy of ``rank``'s shard."""
-        return [(rank + k * self.ranks_per_node) % self.world_size for k in range(1, self.replicas + 1)]
+        return [(rank + k * self.ranks_per_node) % self.world_size for k in self.offsets]
 
     def sources(self, rank: int) -> list[int]:
-        """Ranks whose shards ``rank`` holds, in the same order as :meth:`targets` (k = 1, 2, ...)."""
-        return [(rank - k * self.ranks_per_node) % self.world_size for k in range(1, self.replicas + 1)]
+        """Ranks whose shards ``rank`` holds, in the same order as :meth:`targets` (the same node offsets)."""
+        return [(rank - k * self.ranks_per_node) % self.world_size for k in self.offsets]
 
 
 class PeerTier(LocalTier):
@@ -96,6 +111,7 @@ class PeerTier(LocalTier):
         ranks_per_node: ranks per node; default ``LOCAL_WORLD_SIZE`` as set by torchrun.
         timeout_s: bound on one transfer between two peers.
         verify_checksums: recompute file checksums on read.
+        placement: ``"ring"`` (the next nodes) or ``"spread"`` (evenly spaced nodes): see :class:`ReplicaPlacement`.
     """
 
     durability = 1
@@ -110,7 +126,10 @@ class PeerTier(LocalTier):
         ranks_per_node: int | None = None,
         timeout_s: float = 300.0,
         verify_checksums: bool = True,
+        placement: str = "ring",
     ) -> None:
+        if placement not in PLACEMENTS:
+            raise ValueError(f"tiers.{name}.placement must be one of {list(PLACEMENTS)}, got {placement!r}")
         if replicas < 0:
             raise ValueError(f"tiers.{name}.replicas must be >= 0, got {replicas}")
         if ranks_per_node is not None and ranks_per_node < 1:
@@ -122,6 +141,7 @@ class PeerTier(LocalTier):
             self.path_template, every_n_steps=every_n_steps, keep=keep, name=name, verify_checksums=verify_checksums
         )
         self.replicas = replicas
+        self.replica_placement = placement
         self.ranks_per_node = ranks_per_node
         self.timeout = timedelta(seconds=timeout_s)
         self.placement = ReplicaPlacement(1, 1, 0)
@@ -147,7 +167,7 @@ class PeerTier(LocalTier):
         per_node = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", identity.world_size))
         if identity.world_size % per_node:
             per_node = identity.world_size  # an uneven job: treat it as one node, with nothing to replicate to
-        self.placement = ReplicaPlacement(identity.world_size, per_node, self.replicas)
+        self.placement = ReplicaPlacement(identity.world_size, per_node, self.replicas, self.replica_placement)
         self.root = Path(self.path_template.format(node=self.placement.node_of(identity.rank))).expanduser()
         if self.replicas and self.placement.replicas < self.replicas:
             log.warning(

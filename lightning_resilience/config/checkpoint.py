@@ -82,6 +82,8 @@ class PeerTierConfig:
     """Committed steps retained (own shards and the replicas held for peers)."""
     replicas: int = 1
     """Peer copies of each rank's shard, each on a different other node (capped at nodes - 1)."""
+    placement: str = "ring"
+    """'ring' (the next nodes) or 'spread' (nodes evenly spaced around the job: a copy survives a rack's loss)."""
     ranks_per_node: int | None = None
     """Ranks per node (failure domain); default LOCAL_WORLD_SIZE as set by torchrun."""
     timeout_s: float = 300.0
@@ -104,6 +106,7 @@ class PeerTierConfig:
             ranks_per_node=self.ranks_per_node,
             timeout_s=self.timeout_s,
             verify_checksums=self.verify_checksums,
+            placement=self.placement,
         )
 
 

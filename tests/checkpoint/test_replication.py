@@ -167,3 +167,14 @@ def test_corrupt_peer_copy_falls_back_to_the_previous_step(tmp_path: Path) -> No
     for rank, res in enumerate(results):
         assert (res["step"], res["tier"], res["state_ok"]) == (6, "peer", True), (rank, res)
     assert any("step 7" in s and "checksum" in s for s in results[2]["skipped"]), results[2]["skipped"]
+
+
+def test_spread_placement_spaces_copies_evenly() -> None:
+    p = ReplicaPlacement(world_size=16, ranks_per_node=2, replicas=1, placement="spread")
+    assert [p.node_of(t) for t in p.targets(0)] == [4]  # 8 nodes: the copy sits half-way around
+    p3 = ReplicaPlacement(world_size=16, ranks_per_node=2, replicas=3, placement="spread")
+    assert [p3.node_of(t) for t in p3.targets(3)] == [3, 5, 7]
+    for rank in range(16):
+        assert all(rank in p3.targets(s) for s in p3.sources(rank))
+    with pytest.raises(ValueError, match=r"tiers\.peer\.placement must be one of \['ring', 'spread'\]"):
+        PeerTierConfig(placement="random")
