@@ -18,7 +18,7 @@ from typing import Any
 
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 
-RECIPES = ("pretrain_gpt",)
+RECIPES = ("pretrain_gpt", "finetune_classifier")
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _RANK_RE = re.compile(r"^rank_(\d+)$")

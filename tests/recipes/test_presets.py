@@ -69,8 +69,9 @@ def test_multirun_sweeps_presets(tmp_path: Path) -> None:
     assert [r["final_step"] for r in _reports(tmp_path)] == [3, 3]
 
 
-def test_cli_runs_a_recipe(tmp_path: Path) -> None:
-    cli = [sys.executable, "-m", "lightning_resilience.cli", "run", "pretrain_gpt"]
+@pytest.mark.parametrize("recipe", ["pretrain_gpt", "finetune_classifier"])
+def test_cli_runs_a_recipe(tmp_path: Path, recipe: str) -> None:
+    cli = [sys.executable, "-m", "lightning_resilience.cli", "run", recipe]
     proc = _run([*cli, f"run_dir={tmp_path}", "resilience=full", "trainer.max_steps=6"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _reports(tmp_path)[-1]["final_step"] == 6
