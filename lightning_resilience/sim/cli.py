@@ -15,7 +15,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,24 +70,21 @@ def _positive_duration(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise ValueError(f"{text!r} must be >= 1")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise ValueError(f"{text!r} must be >= {minimum}")
+        return value
+
+    return convert
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise ValueError(f"{text!r} must be >= 0")
-    return value
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
 
 
 def _positive_float(text: str) -> float:

@@ -7,12 +7,8 @@ through the store: the signalled rank publishes only after its peer already pass
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
-import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_resilience.ft.preemption import PreemptionNotice, connect_store
+from tests._ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -53,60 +49,25 @@ def _loop(rank: int, notice: PreemptionNotice, signal_at: dict[int, int], sync: 
     return {"stopped": stopped, "checks": checks, "published": notice.published, "received": notice.received}
 
 
-def _child(rank: int, tmp: str, port: int, scenario: str) -> None:
-    out = Path(tmp) / f"result_rank{rank}.json"
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=WORLD, timeout=PG_TIMEOUT)
+def _scenario(rank: int, world: int, tmp: Path, scenario: str) -> dict[str, Any]:
+    store, why = connect_store(STORE_TIMEOUT, f"test/{scenario}")
+    assert store is not None and "TCPStore client" in why, why
+    notice = PreemptionNotice([signal.SIGUSR1], store)
+    notice.install()
     try:
-        store, why = connect_store(STORE_TIMEOUT, f"test/{scenario}")
-        assert store is not None and "TCPStore client" in why, why
-        notice = PreemptionNotice([signal.SIGUSR1], store)
-        notice.install()
-        try:
-            signal_at = {"one_rank": {1: 3}, "both_ranks": {0: 2, 1: 3}, "none": {}}[scenario]
-            sync = dist.PrefixStore("sync/", store)
-            result = _loop(rank, notice, signal_at, sync)
-        finally:
-            notice.uninstall()
-        result["handler_restored"] = signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
-        out.write_text(json.dumps({"ok": True, **result}))
-    except BaseException:
-        out.write_text(json.dumps({"ok": False, "traceback": traceback.format_exc()}))
-        raise
+        signal_at = {"one_rank": {1: 3}, "both_ranks": {0: 2, 1: 3}, "none": {}}[scenario]
+        sync = dist.PrefixStore("sync/", store)
+        result = _loop(rank, notice, signal_at, sync)
     finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        notice.uninstall()
+    result["handler_restored"] = signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    return result
 
 
 def _spawn(scenario: str, tmp: Path) -> list[dict[str, Any]]:
-    mp.get_context("forkserver").set_forkserver_preload([_child.__module__])
-    ctx = mp.start_processes(
-        _child, args=(str(tmp), _free_port(), scenario), nprocs=WORLD, join=False, start_method="forkserver"
+    return run_ranks(
+        _scenario, WORLD, tmp, scenario, deadline_s=SPAWN_DEADLINE_S, pg_timeout=PG_TIMEOUT, tcp_store=True
     )
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    crashed: Exception | None = None
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"scenario {scenario!r} did not finish within {SPAWN_DEADLINE_S}s")
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-        crashed = err
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-    files = [tmp / f"result_rank{rank}.json" for rank in range(WORLD)]
-    results = [json.loads(f.read_text()) if f.exists() else {"ok": False, "traceback": "(no result)"} for f in files]
-    failed = [f"rank {rank}:\n{res['traceback']}" for rank, res in enumerate(results) if not res.pop("ok")]
-    if failed or crashed is not None:
-        pytest.fail(f"scenario {scenario!r} failed: {crashed}\n" + "\n".join(failed))
-    return results
 
 
 def test_signal_on_one_rank_stops_both_at_the_next_boundary(tmp_path: Path) -> None:
