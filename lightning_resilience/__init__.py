@@ -25,6 +25,7 @@ from lightning_resilience.config import (
     StragglerConfig,
     StragglerLevelConfig,
 )
+from lightning_resilience.exit_codes import ExitCode
 from lightning_resilience.lightning import (
     HANG_EXIT_CODE,
     PREEMPT_EXIT_CODE,
@@ -53,6 +54,7 @@ __all__ = [
     "CheckpointManager",
     "DeltaLocalTier",
     "DeltaLocalTierConfig",
+    "ExitCode",
     "FaultTolerance",
     "FaultToleranceConfig",
     "LocalTier",

@@ -20,13 +20,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from lightning_resilience.exit_codes import ExitCode
 from lightning_resilience.ft.restart import FaultNote, write_fault_note
 
 __all__ = ["HANG_EXIT_CODE", "Hang", "HangHandler", "TimeoutCalibrator", "Watchdog", "dump_stacks"]
 
 log = logging.getLogger(__name__)
 
-HANG_EXIT_CODE = 86
+HANG_EXIT_CODE = int(ExitCode.HANG)
 """Exit status of a rank ended by the watchdog: the launcher restarts the group."""
 
 OUT_OF_SECTION = "out_of_section"

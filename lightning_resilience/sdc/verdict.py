@@ -6,9 +6,11 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
+from lightning_resilience.exit_codes import ExitCode
+
 __all__ = ["SDC_EXIT_CODE", "SDCEvent", "SilentDataCorruptionError", "Verdict"]
 
-SDC_EXIT_CODE = 84
+SDC_EXIT_CODE = int(ExitCode.SDC)
 """Exit code of a run stopped because a device computes wrong results: the launcher should exclude the node."""
 
 

@@ -13,10 +13,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning_resilience.config.straggler import StragglerLevelConfig
+from lightning_resilience.exit_codes import ExitCode
 
 __all__ = ["STRAGGLER_EXIT_CODE", "Action", "ActionLadder", "Decision", "Verdict"]
 
-STRAGGLER_EXIT_CODE = 83
+STRAGGLER_EXIT_CODE = int(ExitCode.STRAGGLER)
 """Process exit code after a 'stop' decision (checkpointed, stopping so the launcher restarts without the slow node);
 distinct from a crash (1), a signal (128+n) and a clean end (0)."""
 

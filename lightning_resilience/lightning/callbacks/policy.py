@@ -15,6 +15,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_resilience.config.policy import PolicyConfig
+from lightning_resilience.exit_codes import ExitCode
 from lightning_resilience.lightning._trainer_state import dump_trainer_state
 from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
 from lightning_resilience.policy import Action, Decision, Event, PolicyBus, PostedVerdict
@@ -23,7 +24,7 @@ __all__ = ["POLICY_STOP_EXIT_CODE", "ResiliencePolicy", "find_policy"]
 
 log = logging.getLogger(__name__)
 
-POLICY_STOP_EXIT_CODE = 85
+POLICY_STOP_EXIT_CODE = int(ExitCode.POLICY_STOP)
 """Exit code after a 'checkpoint_and_stop' decision whose verdicts name no code of their own."""
 
 
