@@ -297,16 +297,27 @@ class CheckpointManager:
         """Block (bounded) until the newest snapshot's background copy has landed; the wait counts as blocking."""
         start = self._clock()
         self._pool.wait_inflight(self.config.snapshot_timeout)
+        self._bill_wait(start)
+
+    def order_snapshot(self) -> None:
+        """Before the optimizer changes what the newest snapshot copies: on a GPU the training stream waits for the
+        copy (the CPU does not, and the forward and backward before it overlapped the copy); on the CPU the training
+        thread waits for the background copy. The wait counts as blocking."""
+        start = self._clock()
+        self._pool.order_inflight(self.config.snapshot_timeout)
+        self._bill_wait(start)
+
+    def _bill_wait(self, start: float) -> None:
         waited = self._clock() - start
         self.stats.capture_seconds += waited
         self.stats.wait_seconds += waited
 
     def guard_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Make ``optimizer.step`` wait for an in-flight snapshot copy of the tensors it is about to change.
+        """Make ``optimizer.step`` come after an in-flight snapshot copy of the tensors it is about to change.
 
         Returns the hook handle (``.remove()`` it when done).
         """
-        return optimizer.register_step_pre_hook(lambda *_: self.wait_snapshot())
+        return optimizer.register_step_pre_hook(lambda *_: self.order_snapshot())
 
     def _agree(self, tiers: list[Tier]) -> tuple[bool, dict[str, int | None]]:
         """Collectively: is any rank's worker busy, and which step is committed on every rank, per tier."""

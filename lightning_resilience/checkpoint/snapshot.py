@@ -108,6 +108,17 @@ class _Copier:
             self._thread.join(timeout.total_seconds())
 
 
+def _split(
+    flat: FlatState, overlap: Callable[[torch.Tensor], bool] | None
+) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """(copied before the next forward, copied beside it) pairs of name and source tensor."""
+    now: list[tuple[str, torch.Tensor]] = []
+    later: list[tuple[str, torch.Tensor]] = []
+    for name, src in flat.tensors.items():
+        (later if overlap is not None and overlap(src) else now).append((name, src))
+    return now, later
+
+
 class HostSnapshot:
     """One set of host buffers, laid out for a given set of tensor specs and reused across steps."""
 
@@ -156,26 +167,32 @@ class HostSnapshot:
     ) -> None:
         """Copy ``flat``'s tensors into this slot.
 
-        With a CUDA stream the device-to-host copies are queued on it (the training stream is made to wait for them
-        before it runs anything later, without blocking the CPU). On the CPU, tensors for which ``overlap`` is true
-        (they stay unchanged until the next optimizer step) are copied by ``copier`` in the background; the rest
-        now. Either way :meth:`wait_copied` waits for completion.
+        With a CUDA stream the device-to-host copies are queued on it without blocking the CPU: the training stream
+        waits at once only for the tensors the next forward may change (``overlap`` false: buffers, temporaries);
+        the copies of the others (parameters, optimizer state) run beside the next forward and backward, and
+        :meth:`order_after_copy` makes the training stream wait for them right before the optimizer changes them.
+        On the CPU, tensors for which ``overlap`` is true are copied by ``copier`` in the background; the rest now.
+        Either way :meth:`wait_copied` waits (on the host) for completion.
         """
-        self.wait_copied()
+        if stream is None:
+            self.wait_copied()  # on a GPU the new copies queue behind the old ones on the same stream
         self._ensure_layout(flat)
         if stream is not None:
             current = torch.cuda.current_stream()
             stream.wait_stream(current)
+            now, later = _split(flat, overlap)
             with torch.cuda.stream(stream):
-                for name, src in flat.tensors.items():
-                    if src.is_cuda:
-                        src.record_stream(stream)  # a temporary source must outlive the copy that reads it
-                    self._buffers[name].copy_(src, non_blocking=src.is_cuda)
+                self._queue_copies(now, stream)
+                if now and later:
+                    ready = torch.cuda.Event()
+                    ready.record(stream)
+                    # the next forward may change these (buffers) or free them (temporaries): it waits for them
+                    current.wait_event(ready)
+                self._queue_copies(later, stream)
                 self._event = torch.cuda.Event()
                 self._event.record(stream)
-            # later kernels of the training stream (the next optimizer step) must not overwrite a source while the
-            # copy still reads it; the CPU is not blocked by this wait
-            current.wait_event(self._event)
+            if not later:
+                current.wait_event(self._event)  # nothing overlaps: later kernels wait for the whole copy
             self._job = None
         else:
             self._event = None
@@ -190,12 +207,30 @@ class HostSnapshot:
         self.skeleton = flat.skeleton
         self.meta = dict(meta)
 
+    def _queue_copies(self, pairs: list[tuple[str, torch.Tensor]], stream: torch.cuda.Stream) -> None:
+        for name, src in pairs:
+            if src.is_cuda:
+                src.record_stream(stream)  # a temporary source must outlive the copy that reads it
+            self._buffers[name].copy_(src, non_blocking=src.is_cuda)
+
     def wait_copied(self, timeout: timedelta = timedelta(seconds=300)) -> None:
         """Block (bounded) until every copy into this slot has landed."""
         # called from the training thread and the persist worker alike; waiting on a completed handle is free
         event, job = self._event, self._job
         if event is not None:
             event.synchronize()
+        if job is not None:
+            job.wait(timeout)
+
+    def order_after_copy(self, timeout: timedelta = timedelta(seconds=300)) -> None:
+        """Make what the training thread does next come after every copy into this slot.
+
+        On a GPU the current stream waits for the copy's event (the CPU is not blocked and nothing is read back);
+        on the CPU this waits for the background copy like :meth:`wait_copied`.
+        """
+        event, job = self._event, self._job
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
         if job is not None:
             job.wait(timeout)
 
@@ -247,8 +282,8 @@ class SnapshotPool:
         """Copy ``flat`` into a free slot and return it holding one reference (the caller's).
 
         Waits (bounded) only when every slot is still referenced, which a correctly sized pool avoids. Tensors for
-        which ``overlap`` is true are copied in the background: the caller must call :meth:`wait_inflight` before
-        it next changes them (the next optimizer step).
+        which ``overlap`` is true are copied in the background: the caller must call :meth:`order_inflight` (or
+        :meth:`wait_inflight`) before it next changes them (the next optimizer step).
 
         Raises:
             TimeoutError: no slot was released within ``timeout``.
@@ -271,16 +306,23 @@ class SnapshotPool:
                         f"(now {self._max}) or persist less often"
                     )
             slot.refs = 1
-        self.wait_inflight(timeout)
+        self.order_inflight(timeout)
         slot.copy_from(step, flat, meta, self._stream, overlap=overlap, copier=self._copier)
         self._inflight = slot
         return slot
 
     def wait_inflight(self, timeout: timedelta = timedelta(seconds=300)) -> None:
-        """Wait until the newest capture's background copy is complete (call before tensors it reads change)."""
+        """Wait (on the host) until the newest capture's background copy is complete."""
         slot, self._inflight = self._inflight, None
         if slot is not None:
             slot.wait_copied(timeout)
+
+    def order_inflight(self, timeout: timedelta = timedelta(seconds=300)) -> None:
+        """Order what the training thread does next after the newest capture's copy (call before the tensors it
+        reads change: the optimizer step). On a GPU the current stream waits for the copy; the CPU does not."""
+        slot, self._inflight = self._inflight, None
+        if slot is not None:
+            slot.order_after_copy(timeout)
 
     def close(self, timeout: timedelta = timedelta(seconds=60)) -> None:
         self.wait_inflight(timeout)

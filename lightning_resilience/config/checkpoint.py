@@ -193,8 +193,9 @@ class CheckpointConfig:
     persist_on_train_end: bool = True
     """When training ends, persist the final step to every persistent tier (whatever the cadences) and wait."""
     overlap_copy: bool = True
-    """On the CPU, copy parameters and optimizer state into the snapshot in the background while the next forward
-    and backward run; the next optimizer step waits for it. Turn off if something other than the optimizer changes
+    """Copy parameters and optimizer state into the snapshot in the background (a CPU thread, or a CUDA side stream)
+    while the next forward and backward run; the next optimizer step waits for it (on a GPU the training stream
+    waits, not the CPU). Turn off if something other than the optimizer changes
     parameters between steps (an in-place weight edit in a callback)."""
     allow_reshard: bool = True
     """When no step is loadable at this world size, restore the newest step written by a job of another world size

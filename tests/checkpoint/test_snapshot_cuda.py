@@ -25,3 +25,19 @@ def test_device_to_host_copy_is_pinned_async_and_exact() -> None:
     assert all(t.is_pinned() for t in view.tensors.values())
     assert torch.equal(view.tensors["w"], (src["w"] - 1.0).cpu())
     pool.release(slot)
+
+
+def test_overlapped_copy_is_ordered_before_the_optimizer_not_the_forward() -> None:
+    """With ``overlap`` the training stream does not wait for the parameter copies at capture; ``order_inflight``
+    (the optimizer pre-hook) orders the in-place update after them, so the snapshot keeps the pre-step values."""
+    w = torch.randn(2048, 2048, device="cuda")
+    before = w.cpu()
+    pool = SnapshotPool(max_slots=2)
+    slot = pool.capture(1, flatten_state({"w": w}), {}, overlap=lambda t: True)
+    activations = w @ w  # the next forward: queued without waiting for the copy
+    pool.order_inflight()  # the optimizer pre-hook
+    w.add_(1.0)  # the optimizer step
+    assert torch.equal(slot.view().tensors["w"], before)
+    assert torch.isfinite(activations).all()
+    pool.release(slot)
+    pool.close()
