@@ -1,5 +1,5 @@
-"""`lightning-resilience` command line: run a recipe, list, verify, inspect and export checkpoints, show a run's
-resilience report, simulate at scale."""
+"""``lightning-resilience ckpt``: list, verify, inspect and export checkpoints (and the ``verify``/``inspect``
+shortcuts)."""
 
 from __future__ import annotations
 
@@ -7,175 +7,17 @@ import argparse
 import datetime as dt
 import json
 import os
-import re
-import runpy
-import sys
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
+from lightning_resilience.cli._common import CliError, console, non_negative, progress
+from lightning_resilience.cli._discovery import STEP_RE, ShardRef, discover, one_shard, select
 
-RECIPES = ("pretrain_gpt", "finetune_classifier")
+__all__ = ["add_parsers", "cmd_export", "cmd_inspect", "cmd_ls", "cmd_verify"]
 
-_STEP_RE = re.compile(r"^step_(\d+)$")
-_RANK_RE = re.compile(r"^rank_(\d+)$")
 _TORCH_SUFFIXES = (".ckpt", ".pt", ".pth")
-_SEARCH_DEPTH = 4
-
-
-class CliError(Exception):
-    """A problem with what the user asked for; printed as ``error: ...`` with exit status 2."""
-
-
-# --------------------------------------------------------------------------------------------- discovery
-@dataclass(frozen=True)
-class ShardRef:
-    """One rank's shard of one step in one tier (committed or not: validation is the reader's job)."""
-
-    tier: str
-    """Label of the tier: its directory relative to the path given."""
-    root: Path
-    """Directory holding the ``step_*`` directories (or the shards, for a ``Trainer.save_checkpoint`` directory)."""
-    step: int
-    rank: int
-    path: Path
-
-
-def _rank_of(path: Path) -> int:
-    match = _RANK_RE.match(path.name)
-    return int(match.group(1)) if match else -1
-
-
-def _step_from_manifest(shard: Path) -> int:
-    from lightning_resilience.checkpoint.format import read_manifest
-
-    try:
-        return read_manifest(shard).step
-    except CheckpointCorruptError:
-        return -1
-
-
-def _ranks(step_dir: Path) -> list[Path]:
-    return sorted(p for p in step_dir.iterdir() if p.is_dir() and _RANK_RE.match(p.name))
-
-
-def _tier_shards(root: Path, label: str) -> Iterator[ShardRef]:
-    for step_dir in sorted(root.iterdir()):
-        match = _STEP_RE.match(step_dir.name)
-        if match and step_dir.is_dir():
-            for shard in _ranks(step_dir):
-                yield ShardRef(label, root, int(match.group(1)), _rank_of(shard), shard)
-
-
-def _is_tier_root(path: Path) -> bool:
-    return any(_STEP_RE.match(p.name) and p.is_dir() for p in path.iterdir())
-
-
-def _is_standalone(path: Path) -> bool:
-    return any(_RANK_RE.match(p.name) and p.is_dir() for p in path.iterdir())
-
-
-def discover(path: Path) -> list[ShardRef]:
-    """Every shard under ``path``: a shard, a step directory, a tier root, a ``Trainer.save_checkpoint``
-    directory, or a directory holding several tiers (searched a few levels deep)."""
-    if not path.exists():
-        raise CliError(f"{path} does not exist")
-    if not path.is_dir():
-        raise CliError(f"{path} is not a directory")
-    if _RANK_RE.match(path.name):
-        step_match = _STEP_RE.match(path.parent.name)
-        step = int(step_match.group(1)) if step_match else _step_from_manifest(path)
-        root = path.parent.parent if step_match else path.parent
-        return [ShardRef(root.name, root, step, _rank_of(path), path)]
-    if _STEP_RE.match(path.name):
-        return [s for s in _tier_shards(path.parent, path.parent.name) if s.path.parent == path]
-    found: list[ShardRef] = []
-
-    def walk(directory: Path, depth: int) -> None:
-        label = str(directory.relative_to(path)) if directory != path else directory.name
-        if _is_tier_root(directory):
-            found.extend(_tier_shards(directory, label))
-            return
-        if _is_standalone(directory):
-            for shard in _ranks(directory):
-                found.append(ShardRef(label, directory, _step_from_manifest(shard), _rank_of(shard), shard))
-            return
-        if depth < _SEARCH_DEPTH:
-            for child in sorted(directory.iterdir()):
-                if child.is_dir() and not child.name.startswith("."):
-                    walk(child, depth + 1)
-
-    walk(path, 0)
-    return found
-
-
-def _select(
-    shards: list[ShardRef], where: Path, *, step: int | None, rank: int | None, tier: str | None
-) -> list[ShardRef]:
-    if not shards:
-        raise CliError(f"no checkpoint shards under {where}")
-    if tier is not None:
-        tiers = sorted({s.tier for s in shards})
-        shards = [s for s in shards if s.tier == tier]
-        if not shards:
-            raise CliError(f"no tier {tier!r} under {where}; tiers present: {', '.join(tiers)}")
-    if step is not None:
-        steps = sorted({s.step for s in shards})
-        shards = [s for s in shards if s.step == step]
-        if not shards:
-            raise CliError(f"step {step} not found under {where}; steps present: {steps}")
-    if rank is not None:
-        ranks = sorted({s.rank for s in shards})
-        shards = [s for s in shards if s.rank == rank]
-        if not shards:
-            raise CliError(f"rank {rank} not found for that step under {where}; ranks present: {ranks}")
-    return shards
-
-
-def _one_shard(args: argparse.Namespace) -> ShardRef:
-    """The shard that ``--step``/``--rank``/``--tier`` name (by default the newest step, the lowest rank, the first
-    tier by name)."""
-    where = Path(args.path)
-    shards = _select(discover(where), where, step=args.step, rank=None, tier=args.tier)
-    if args.step is None:
-        newest = max(s.step for s in shards)
-        shards = [s for s in shards if s.step == newest]
-    rank = min(s.rank for s in shards) if args.rank is None else args.rank  # rank 0 unless PATH is another's shard
-    chosen = [s for s in shards if s.rank == rank]
-    if not chosen:
-        raise CliError(f"rank {rank} not found for step {shards[0].step} under {where}")
-    tiers = sorted({s.tier for s in chosen})
-    if len(tiers) > 1 and args.tier is None:
-        print(f"step {chosen[0].step} is in tiers {', '.join(tiers)}; using {tiers[0]!r} (choose with --tier)")
-    return next(s for s in chosen if s.tier == tiers[0])
-
-
-# ---------------------------------------------------------------------------------------------- output
-def _console(stderr: bool = False) -> Any:
-    from rich.console import Console
-
-    # not a terminal (a pipe, a log, a test): wide enough that paths are not wrapped
-    stream = sys.stderr if stderr else sys.stdout
-    return Console(file=stream, width=None if stream.isatty() else 200)
-
-
-def _progress(*, nbytes: bool) -> Any:
-    """A progress bar on stderr (nothing when stderr is not a terminal); ``nbytes``: the total counts bytes."""
-    from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    console = _console(stderr=True)
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn() if nbytes else MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-        disable=not console.is_terminal,  # a bar in a log file is noise
-    )
 
 
 def _when(created: float) -> str:
@@ -202,7 +44,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     shards = discover(where)
     if not shards:
         raise CliError(f"no checkpoint shards under {where}")
-    console = _console()
+    out_console = console()
     by_tier: dict[str, list[ShardRef]] = {}
     for s in shards:
         by_tier.setdefault(s.tier, []).append(s)
@@ -238,7 +80,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 _when(created),
                 verified,
             )
-        console.print(table)
+        out_console.print(table)
     return 0
 
 
@@ -247,7 +89,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from lightning_resilience.checkpoint.format import read_manifest, validate_shard
 
     where = Path(args.path)
-    shards = _select(discover(where), where, step=args.step, rank=None, tier=getattr(args, "tier", None))
+    shards = select(discover(where), where, step=args.step, rank=None, tier=getattr(args, "tier", None))
     sizes = {}
     for s in shards:
         try:
@@ -256,13 +98,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
             sizes[s.path] = 0
     bad = 0
     worlds: dict[tuple[str, int], tuple[set[int], set[int]]] = {}
-    with _progress(nbytes=True) as progress:
-        task = progress.add_task("verifying", total=sum(sizes.values()) or None)
+    with progress(nbytes=True) as bar:
+        task = bar.add_task("verifying", total=sum(sizes.values()) or None)
         for s in shards:
-            progress.update(task, description=f"verifying {s.tier} step {s.step} rank {s.rank}")
+            bar.update(task, description=f"verifying {s.tier} step {s.step} rank {s.rank}")
             try:
                 m = validate_shard(s.path)
-                if m.rank != s.rank or (s.step >= 0 and _STEP_RE.match(s.path.parent.name) and m.step != s.step):
+                if m.rank != s.rank or (s.step >= 0 and STEP_RE.match(s.path.parent.name) and m.step != s.step):
                     raise CheckpointCorruptError(
                         f"{s.path}: manifest is for step {m.step} rank {m.rank}, the directory says "
                         f"step {s.step} rank {s.rank}"
@@ -283,7 +125,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             except CheckpointCorruptError as err:
                 bad += 1
                 print(f"CORRUPT  {err}", flush=True)
-            progress.advance(task, sizes[s.path])
+            bar.advance(task, sizes[s.path])
     incomplete = 0
     for (tier, step), (world, ranks) in sorted(worlds.items()):
         if len(world) == 1 and len(ranks) < next(iter(world)):
@@ -305,7 +147,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from lightning_resilience.checkpoint.format import read_manifest
     from lightning_resilience.report import format_bytes
 
-    shard = _one_shard(args)
+    shard = one_shard(args)
     try:
         m = read_manifest(shard.path)
     except CheckpointCorruptError as err:
@@ -313,7 +155,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 1
     tensor_bytes = sum(spec.nbytes for spec in m.tensors.values())
     file_bytes = sum(int(f.get("size", 0)) for f in m.files.values())
-    console = _console()
+    out_console = console()
     info = Table(title=f"{shard.path}", show_header=False, title_justify="left")
     info.add_column("field", style="bold")
     info.add_column("value")
@@ -332,7 +174,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     ]
     for k, v in rows:
         info.add_row(k, v)
-    console.print(info)
+    out_console.print(info)
     biggest = sorted(m.tensors.items(), key=lambda kv: kv[1].nbytes, reverse=True)
     limit = len(biggest) if args.all_tensors else min(len(biggest), 15)
     table = Table(title=f"tensors ({limit} of {len(biggest)}, largest first)", title_justify="left")
@@ -340,7 +182,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right" if col == "bytes" else "left")
     for name, spec in biggest[:limit]:
         table.add_row(name, str(list(spec.shape)), str(spec.dtype).removeprefix("torch."), format_bytes(spec.nbytes))
-    console.print(table)
+    out_console.print(table)
     return 0
 
 
@@ -353,7 +195,7 @@ def _read_state(shard: ShardRef) -> tuple[dict[str, Any], int]:
     from lightning_resilience.checkpoint.tree import unflatten_state
 
     manifest = read_manifest(shard.path)
-    if _STEP_RE.match(shard.path.parent.name):
+    if STEP_RE.match(shard.path.parent.name):
         tier = DeltaLocalTier(shard.root, every_n_steps=1, keep=1, name=shard.tier)
         tier.bind_for_reading(TierIdentity(manifest.rank, manifest.world_size))
         snap = tier.read(shard.step)
@@ -385,16 +227,16 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise CliError("exporting to .safetensors needs the safetensors package: pip install safetensors") from err
     import torch
 
-    shard = _one_shard(args)
-    with _progress(nbytes=False) as progress:
-        task = progress.add_task(f"reading step {shard.step} rank {shard.rank}", total=3)
+    shard = one_shard(args)
+    with progress(nbytes=False) as bar:
+        task = bar.add_task(f"reading step {shard.step} rank {shard.rank}", total=3)
         try:
             state, world_size = _read_state(shard)
         except CheckpointCorruptError as err:
             print(f"CORRUPT  {err}")
             return 1
-        progress.advance(task)
-        progress.update(task, description=f"writing {out}")
+        bar.advance(task)
+        bar.update(task, description=f"writing {out}")
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
         try:
@@ -409,11 +251,11 @@ def cmd_export(args: argparse.Namespace) -> int:
                 )
             else:
                 torch.save(state, tmp)
-            progress.advance(task)
+            bar.advance(task)
             os.replace(tmp, out)
         finally:
             tmp.unlink(missing_ok=True)
-        progress.advance(task)
+        bar.advance(task)
     what = "model weights" if suffix == ".safetensors" else "Lightning checkpoint"
     note = ""
     if world_size > 1:
@@ -432,46 +274,10 @@ def _global_step(state: dict[str, Any]) -> Any:
     return state.get("global_step", "?")
 
 
-def cmd_report(args: argparse.Namespace) -> int:
-    from lightning_resilience.report import load_report, render_table
-
-    try:
-        report = load_report(args.run_dir)
-    except (FileNotFoundError, ValueError) as err:
-        raise CliError(str(err)) from err
-    console = _console()
-    console.print(render_table(report))
-    if args.summaries:
-        for name, text in report.summaries.items():
-            console.print(f"[bold]{name}[/bold]")
-            console.print(text, highlight=False, markup=False)
-    return 0
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    if args.recipe not in RECIPES:
-        print(f"unknown recipe {args.recipe!r}; choose one of {', '.join(RECIPES)}", file=sys.stderr)
-        return 2
-    sys.argv = [f"recipes.{args.recipe}", *args.overrides]
-    runpy.run_module(f"recipes.{args.recipe}", run_name="__main__", alter_sys=True)
-    return 0
-
-
-# ----------------------------------------------------------------------------------------------- parser
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from err
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def _add_verify(sub: Any, name: str, help: str) -> None:
     p = sub.add_parser(name, help=help)
     p.add_argument("path", help="a checkpoint root, a directory of tiers, a step or a shard directory")
-    p.add_argument("--step", type=_non_negative, default=None, help="only this step")
+    p.add_argument("--step", type=non_negative, default=None, help="only this step")
     p.add_argument("--tier", default=None, help="only this tier (its directory under path)")
     p.set_defaults(fn=cmd_verify)
 
@@ -479,24 +285,17 @@ def _add_verify(sub: Any, name: str, help: str) -> None:
 def _add_inspect(sub: Any, name: str, help: str, *, listing: bool) -> None:
     p = sub.add_parser(name, help=help)
     p.add_argument("path")
-    p.add_argument("--step", type=_non_negative, default=None, help="step to show (default: the newest)")
+    p.add_argument("--step", type=non_negative, default=None, help="step to show (default: the newest)")
     p.add_argument(
-        "--rank", type=_non_negative, default=None, help="rank whose manifest to show (default: the lowest present)"
+        "--rank", type=non_negative, default=None, help="rank whose manifest to show (default: the lowest present)"
     )
     p.add_argument("--tier", default=None, help="tier to read from when several hold the step")
     p.add_argument("--all-tensors", action="store_true", help="list every tensor, not only the largest")
     p.set_defaults(fn=cmd_inspect, listing=listing)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-resilience", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("simulate", help="predict ETTR and the best checkpoint interval at scale (see simulate --help)")
-    run = sub.add_parser("run", help="run a recipe with Hydra overrides")
-    run.add_argument("recipe")
-    run.add_argument("overrides", nargs=argparse.REMAINDER)
-    run.set_defaults(fn=cmd_run)
-
+def add_parsers(sub: Any) -> None:
+    """``ckpt {ls,verify,inspect,export}`` and the top-level ``verify`` and ``inspect`` shortcuts."""
     ckpt = sub.add_parser("ckpt", help="list, verify, inspect and export checkpoints")
     csub = ckpt.add_subparsers(dest="ckpt_command", required=True)
     ls = csub.add_parser("ls", help="list tiers, steps and ranks under a checkpoint root")
@@ -506,9 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(csub, "inspect", "show one shard's manifest: tensors, meta, versions, layout", listing=False)
     export = csub.add_parser("export", help="export a step as a plain Lightning .ckpt or model .safetensors")
     export.add_argument("path")
-    export.add_argument("--step", type=_non_negative, default=None, help="step to export (default: the newest)")
+    export.add_argument("--step", type=non_negative, default=None, help="step to export (default: the newest)")
     export.add_argument(
-        "--rank", type=_non_negative, default=None, help="rank whose shard to export (default: the lowest present)"
+        "--rank", type=non_negative, default=None, help="rank whose shard to export (default: the lowest present)"
     )
     export.add_argument("--tier", default=None, help="tier to read from when several hold the step")
     export.add_argument("--to", required=True, help="output file: *.ckpt (or .pt, .pth) or *.safetensors")
@@ -516,27 +315,3 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_verify(sub, "verify", "same as `ckpt verify`")
     _add_inspect(sub, "inspect", "`ckpt ls` for a path; `ckpt inspect` with --step or --rank", listing=True)
-    report = sub.add_parser("report", help="show the resilience report of a run directory")
-    report.add_argument("run_dir", help="run directory (or its resilience_report.json)")
-    report.add_argument("--summaries", action="store_true", help="also print each component's summary text")
-    report.set_defaults(fn=cmd_report)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["simulate"]:  # its own parser: every flag after the word belongs to the simulator
-        from lightning_resilience.sim.cli import simulate_main
-
-        return int(simulate_main(argv[1:]))
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args.fn(args))
-    except CliError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
