@@ -50,7 +50,7 @@ from benchmarks._common import (
     target,
     write_json,
 )
-from lightning_resilience.config.ft import FaultToleranceConfig
+from lightning_resilience.ft.config import FaultToleranceConfig
 
 MODULE = "benchmarks.ft_recovery"
 DEFAULT_OUT = RESULTS_DIR / "ft_recovery.json"

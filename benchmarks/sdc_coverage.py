@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from benchmarks._common import command_line, fmt_pct, machine_info, md_table, now_iso, print_flush, target, write_json
-from lightning_resilience.config.sdc import SDCConfig
+from lightning_resilience.sdc.config import SDCConfig
 from lightning_resilience.sdc.fingerprint import BitwiseDigest, digest_all
 from lightning_resilience.sdc.guards import Guards
 from lightning_resilience.sdc.inject import BIT_CLASSES, LOCATIONS, BitFlipInjector, FlipSpec

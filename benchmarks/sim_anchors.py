@@ -31,15 +31,6 @@ from typing import Any
 import numpy as np
 
 from benchmarks._common import command_line, machine_info, md_table, now_iso, print_flush, target, write_json
-from lightning_resilience.config.sim import (
-    ClusterConfig,
-    FailureConfig,
-    FailureKindConfig,
-    JobConfig,
-    RestartConfig,
-    SimConfig,
-    SimTierConfig,
-)
 from lightning_resilience.sim import (
     daly_ettr,
     daly_interval,
@@ -48,6 +39,15 @@ from lightning_resilience.sim import (
     simulate,
     simulate_many,
     young_interval,
+)
+from lightning_resilience.sim.config import (
+    ClusterConfig,
+    FailureConfig,
+    FailureKindConfig,
+    JobConfig,
+    RestartConfig,
+    SimConfig,
+    SimTierConfig,
 )
 
 MODULE = "benchmarks.sim_anchors"

@@ -324,8 +324,8 @@ def predict(run: Path, steps: int, every: int, kill_offsets: list[float], replic
 
     import numpy as np
 
-    from lightning_resilience.config.sim import FailureKindConfig, SimConfig
     from lightning_resilience.sim import FailureTrace, apply_run_costs, load_run_costs, simulate, simulate_many
+    from lightning_resilience.sim.config import FailureKindConfig, SimConfig
 
     costs = load_run_costs(run)
     base = SimConfig()

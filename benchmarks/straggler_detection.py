@@ -54,8 +54,8 @@ from benchmarks._common import (
     target,
     write_json,
 )
-from lightning_resilience.config.straggler import StragglerConfig
 from lightning_resilience.straggler import StragglerDetector, Verdict
+from lightning_resilience.straggler.config import StragglerConfig
 
 MODULE = "benchmarks.straggler_detection"
 DEFAULT_OUT = "benchmarks/results/straggler_detection.json"

@@ -18,10 +18,12 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import zstandard
 
+from lightning_resilience._configurable import ConfigError
 from lightning_resilience.checkpoint.delta import MAX_LOSSY_BITS, decode_delta, encode_delta
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.format import (
@@ -72,43 +74,47 @@ class DeltaLocalTier(LocalTier):
     shards at the same steps as long as their writes succeed alike, and a restore takes a step only if every
     rank's shard (full or delta) of it is loadable.
 
-    Args:
-        path: root directory; created if missing.
-        every_n_steps: persist cadence of this tier.
-        keep: committed steps retained (bases of retained deltas are kept in addition).
-        name: label in logs, metrics and the report.
-        verify_checksums: recompute file checksums on read.
-        full_every: a full shard every this many writes (1: always full).
-        level: zstd level of delta shards (1-22).
-        lossy_bits: 0 = lossless (default); see :func:`encode_delta`. Breaks bitwise resume.
-        cache_base: keep a host copy of the current base's tensors (one training state of RAM) instead of reading
-            it back from disk for every delta write.
+    Takes a :class:`DeltaLocalTier.Config`, or its fields as arguments:
+    ``DeltaLocalTier("/nvme/ckpt", every_n_steps=20, full_every=10)``.
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        every_n_steps: int = 20,
-        keep: int = 3,
-        name: str = "local",
-        verify_checksums: bool = True,
-        *,
-        full_every: int = 10,
-        level: int = 3,
-        lossy_bits: int = 0,
-        cache_base: bool = True,
-    ) -> None:
-        super().__init__(path, every_n_steps=every_n_steps, keep=keep, name=name, verify_checksums=verify_checksums)
-        if full_every < 1:
-            raise ValueError(f"tiers.{name}.full_every must be >= 1, got {full_every}")
-        if not 1 <= level <= zstandard.MAX_COMPRESSION_LEVEL:
-            raise ValueError(f"tiers.{name}.level must be in [1, {zstandard.MAX_COMPRESSION_LEVEL}], got {level}")
-        if not 0 <= lossy_bits <= MAX_LOSSY_BITS:
-            raise ValueError(f"tiers.{name}.lossy_bits must be in [0, {MAX_LOSSY_BITS}], got {lossy_bits}")
-        self.full_every = full_every
-        self.level = level
-        self.lossy_bits = lossy_bits
-        self.cache_base = cache_base
+    @dataclass(kw_only=True)
+    class Config(LocalTier.Config):
+        """Node-local disk tier storing most steps as XOR+zstd deltas against its newest full step."""
+
+        full_every: int = 10
+        """A full shard every this many writes; deltas against it in between (1: always full)."""
+        level: int = 3
+        """zstd level of delta shards (1-22), single-threaded."""
+        lossy_bits: int = 0
+        """0 = lossless. k > 0 drops the lowest k mantissa bits of float32 deltas (relative error < 2**(k-23)) and
+        breaks bitwise resume."""
+        cache_base: bool = True
+        """Hold the current base in host RAM (one training state) instead of re-reading it for every delta."""
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            owner = f"tiers.{self.name}"
+            if self.full_every < 1:
+                raise ConfigError(owner, "full_every", f"must be >= 1, got {self.full_every}")
+            if not 1 <= self.level <= zstandard.MAX_COMPRESSION_LEVEL:
+                raise ConfigError(
+                    owner, "level", f"must be in [1, {zstandard.MAX_COMPRESSION_LEVEL}], got {self.level}"
+                )
+            if not 0 <= self.lossy_bits <= MAX_LOSSY_BITS:
+                raise ConfigError(owner, "lossy_bits", f"must be in [0, {MAX_LOSSY_BITS}], got {self.lossy_bits}")
+
+        def build(self) -> DeltaLocalTier:
+            return DeltaLocalTier(self)
+
+    def __init__(self, *args: Any, **settings: Any) -> None:
+        super().__init__(*args, **settings)
+        config = self.config
+        assert isinstance(config, DeltaLocalTier.Config)
+        self.full_every = config.full_every
+        self.level = config.level
+        self.lossy_bits = config.lossy_bits
+        self.cache_base = config.cache_base
         self._base: _Base | None = None
         self._deltas_since_full = 0
         self._deferred_deletes: set[int] = set()

@@ -14,12 +14,15 @@ import re
 import shutil
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from lightning_resilience._configurable import ConfigError, config_from_args
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.format import check_identity, fsync_dir, read_shard, write_shard
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
-from lightning_resilience.checkpoint.tier import TierIdentity, validate_cadence
+from lightning_resilience.checkpoint.tier import TierIdentity, check_cadence
 
 __all__ = ["LocalTier", "step_dirname"]
 
@@ -34,31 +37,48 @@ def step_dirname(step: int) -> str:
 class LocalTier:
     """Node-local directory tier (NVMe, local SSD, or any POSIX path).
 
-    Args:
-        path: root directory; created if missing. Each rank writes only its own shard directories.
-        every_n_steps: persist cadence of this tier.
-        keep: committed steps retained; older ones are deleted only after a newer one is committed on every rank.
-        verify_checksums: recompute file checksums on read (turn off only for trusted, very large local states).
+    Takes a :class:`LocalTier.Config`, or its fields as arguments: ``LocalTier("/nvme/ckpt", every_n_steps=20)``.
+    Each rank writes only its own shard directories below ``path`` (created if missing); older steps are deleted
+    only after a newer one is committed on every rank.
     """
+
+    @dataclass(kw_only=True)
+    class Config:
+        """Node-local disk tier."""
+
+        path: str
+        """Directory on node-local storage, e.g. /nvme/ckpt/run-17."""
+        every_n_steps: int = 20
+        """Persist cadence in optimizer steps."""
+        keep: int = 3
+        """Committed steps retained."""
+        name: str = "local"
+        """Label in logs, metrics and the report."""
+        verify_checksums: bool = True
+        """Recompute checksums on read before trusting a shard."""
+
+        def __post_init__(self) -> None:
+            check_cadence(f"tiers.{self.name}", self.every_n_steps, self.keep)
+            self.path = os.fspath(self.path) if self.path is not None else ""
+            self._check_path()
+
+        def _check_path(self) -> None:
+            if not self.path:
+                raise ConfigError(f"tiers.{self.name}", "path", "must be a directory path, got an empty string")
+
+        def build(self) -> LocalTier:
+            return LocalTier(self)
 
     durability = 1
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        every_n_steps: int = 20,
-        keep: int = 3,
-        name: str = "local",
-        verify_checksums: bool = True,
-    ) -> None:
-        validate_cadence(f"tiers.{name}", every_n_steps, keep)
-        if not str(path):
-            raise ValueError(f"tiers.{name}.path must be a directory path, got an empty string")
-        self.root = Path(path).expanduser()
-        self.name = name
-        self.every_n_steps = every_n_steps
-        self.keep = keep
-        self.verify_checksums = verify_checksums
+    def __init__(self, *args: Any, **settings: Any) -> None:
+        config = config_from_args(type(self).Config, args, settings, type(self).__name__)
+        self.config: LocalTier.Config = config
+        self.root = Path(config.path).expanduser()
+        self.name = config.name
+        self.every_n_steps = config.every_n_steps
+        self.keep = config.keep
+        self.verify_checksums = config.verify_checksums
         self._identity = TierIdentity()
 
     def __repr__(self) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError, CheckpointWorkerError, NoValidCheckpointError
 from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.checkpoint.reshard import reshardable_steps, restore_resharded_agreed
@@ -25,7 +26,6 @@ from lightning_resilience.checkpoint.snapshot import HostSnapshot, SnapshotPool
 from lightning_resilience.checkpoint.tier import Tier, TierIdentity
 from lightning_resilience.checkpoint.tree import DTensorRebuilder, flatten_state, unflatten_state
 from lightning_resilience.checkpoint.worker import PersistWorker
-from lightning_resilience.config.checkpoint import CheckpointConfig
 
 __all__ = ["CheckpointManager", "CheckpointStats", "Restored", "TierStats"]
 
@@ -96,6 +96,8 @@ class CheckpointManager:
         config: engine behaviour; defaults are sensible for training jobs.
         clock: monotonic seconds, injectable for tests.
     """
+
+    Config = CheckpointConfig
 
     def __init__(
         self,

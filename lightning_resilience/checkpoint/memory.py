@@ -5,11 +5,13 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from lightning_resilience._configurable import config_from_args
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.snapshot import HostSnapshot, StagedSnapshot
-from lightning_resilience.checkpoint.tier import TierIdentity, validate_cadence
+from lightning_resilience.checkpoint.tier import TierIdentity, check_cadence
 
 __all__ = ["MemoryTier"]
 
@@ -20,18 +22,33 @@ class MemoryTier:
     The manager hands it the snapshot buffers themselves (:meth:`adopt`), so a per-step RAM checkpoint costs no
     second copy; :meth:`read` returns a clone because the buffers are reused once they fall out of the window.
 
-    Args:
-        every_n_steps: snapshot cadence of this tier.
-        keep: number of snapshots held (each costs one training state of host memory).
+    Takes a :class:`MemoryTier.Config`, or its fields as arguments: ``MemoryTier(every_n_steps=1, keep=2)``.
     """
+
+    @dataclass(kw_only=True)
+    class Config:
+        """Host-RAM tier."""
+
+        every_n_steps: int = 1
+        """Snapshot cadence in optimizer steps."""
+        keep: int = 2
+        """Snapshots held in RAM (each costs one training state of host memory)."""
+        name: str = "memory"
+        """Label in logs, metrics and the report."""
+
+        def __post_init__(self) -> None:
+            check_cadence(f"tiers.{self.name}", self.every_n_steps, self.keep)
+
+        def build(self) -> MemoryTier:
+            return MemoryTier(self)
 
     durability = 0
 
-    def __init__(self, every_n_steps: int = 1, keep: int = 2, name: str = "memory") -> None:
-        validate_cadence(f"tiers.{name}", every_n_steps, keep)
-        self.name = name
-        self.every_n_steps = every_n_steps
-        self.keep = keep
+    def __init__(self, *args: Any, **settings: Any) -> None:
+        self.config = config_from_args(MemoryTier.Config, args, settings, "MemoryTier")
+        self.name = self.config.name
+        self.every_n_steps = self.config.every_n_steps
+        self.keep = self.config.keep
         self._held: OrderedDict[int, tuple[HostSnapshot, Callable[[HostSnapshot], None]]] = OrderedDict()
         self._copies: OrderedDict[int, StagedSnapshot] = OrderedDict()
         self._lock = threading.Lock()

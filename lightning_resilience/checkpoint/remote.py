@@ -29,18 +29,20 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
 
+from lightning_resilience._configurable import ConfigError, config_from_args
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.format import MANIFEST, Manifest, check_identity, read_shard, write_shard
 from lightning_resilience.checkpoint.local import step_dirname
 from lightning_resilience.checkpoint.remote_faults import RemoteFault, RemoteTierError, classify_error
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
-from lightning_resilience.checkpoint.tier import TierIdentity, validate_cadence
+from lightning_resilience.checkpoint.tier import TierIdentity, check_cadence
 
 __all__ = ["RemoteFault", "RemoteTier", "RemoteTierError", "classify_error"]
 
@@ -59,77 +61,93 @@ _MIN_TRANSFER_BYTES_PER_S = 1 << 20
 class RemoteTier:
     """Off-node tier on any fsspec URL: ``s3://bucket/prefix``, ``gs://...``, ``file:///shared/fs/dir``, ``memory://``.
 
-    Args:
-        url: where checkpoints live; each rank writes only its own shard prefixes below it.
-        every_n_steps: persist cadence of this tier.
-        keep: committed steps retained; older ones are deleted only after a newer one is committed on every rank.
-        name: label in logs, metrics, the report, and in error messages (``tiers.<name>.url``).
-        storage_options: passed to the fsspec filesystem, e.g. ``{"key": ..., "secret": ...,
-            "client_kwargs": {"endpoint_url": ...}}`` for S3. The tier owns its filesystem instance
-            (``skip_instance_cache`` defaults to True) so its cache invalidation touches nobody else's.
-        retries: extra attempts for an operation that failed with a transient fault (0 = try once).
-        backoff_s: wait before the first retry; doubles per retry, with jitter (each wait is 50-100% of it).
-        max_backoff_s: cap on one wait.
-        timeout_s: longest wait for one remote call of an asynchronous backend (S3, GCS, Azure, HTTP); transfers
-            get one more second per MiB. Synchronous backends (``file``, ``memory``) are not bounded by it.
-        sleep: how to wait between retries (injectable for tests).
+    Takes a :class:`RemoteTier.Config`, or its fields as arguments: ``RemoteTier("s3://bucket/run-17",
+    every_n_steps=500)``; ``sleep`` (how to wait between retries) is injectable for tests. The tier owns its
+    filesystem instance (``skip_instance_cache`` defaults to True) so its cache invalidation touches nobody else's.
+    Timeouts bound each remote call of an asynchronous backend (S3, GCS, Azure, HTTP); synchronous backends
+    (``file``, ``memory``) are not bounded by them.
 
     Raises:
-        ValueError: an empty URL, an unknown protocol, bad storage options or out-of-range settings, naming the key.
+        ConfigError: an empty URL, an unknown protocol, bad storage options or out-of-range settings, naming the key.
         ImportError: the URL's protocol needs a package that is not installed (``s3fs``, ``gcsfs``, ``adlfs``).
     """
 
+    @dataclass(kw_only=True)
+    class Config:
+        """Off-node tier on an fsspec URL (S3, GCS, Azure, shared file system)."""
+
+        url: str
+        """fsspec URL of the bucket prefix or directory, e.g. s3://bucket/run-17."""
+        every_n_steps: int = 500
+        """Persist cadence in optimizer steps."""
+        keep: int = 3
+        """Committed steps retained."""
+        name: str = "remote"
+        """Label in logs, metrics and the report."""
+        storage_options: dict[str, Any] = field(default_factory=dict)
+        """Passed to the fsspec filesystem (key, secret, client_kwargs.endpoint_url, config_kwargs, ...)."""
+        retries: int = 5
+        """Extra attempts per request after a transient fault."""
+        backoff_s: float = 0.5
+        """Wait before the first retry; doubles per retry, with jitter."""
+        max_backoff_s: float = 10.0
+        """Cap on one wait between retries."""
+        timeout_s: float = 60.0
+        """Longest wait for one request on asynchronous backends; transfers get 1 s more per MiB."""
+
+        def __post_init__(self) -> None:
+            owner = f"tiers.{self.name}"
+            check_cadence(owner, self.every_n_steps, self.keep)
+            if self.retries < 0:
+                raise ConfigError(owner, "retries", f"must be >= 0, got {self.retries}")
+            if self.backoff_s < 0:
+                raise ConfigError(owner, "backoff_s", f"must be >= 0, got {self.backoff_s}")
+            if self.max_backoff_s < self.backoff_s:
+                raise ConfigError(
+                    owner, "max_backoff_s", f"must be >= backoff_s ({self.backoff_s}), got {self.max_backoff_s}"
+                )
+            if self.timeout_s <= 0:
+                raise ConfigError(owner, "timeout_s", f"must be > 0, got {self.timeout_s}")
+            if not isinstance(self.storage_options, Mapping):
+                kind = type(self.storage_options).__name__
+                raise ConfigError(owner, "storage_options", f"must be a mapping, got {kind}")
+            self.storage_options = dict(self.storage_options)
+            if not isinstance(self.url, str) or not self.url.strip():
+                raise ConfigError(owner, "url", f"must be an fsspec URL such as s3://bucket/run-17, got {self.url!r}")
+            protocol = _check_protocols(self.url, owner)
+            if not fsspec.get_filesystem_class(protocol)._strip_protocol(self.url.split("::")[-1]).rstrip("/"):
+                raise ConfigError(owner, "url", f"must name a bucket or directory, got {self.url!r}")
+
+        def build(self) -> RemoteTier:
+            return RemoteTier(self)
+
     durability = 2
 
-    def __init__(
-        self,
-        url: str,
-        every_n_steps: int = 500,
-        keep: int = 3,
-        name: str = "remote",
-        storage_options: Mapping[str, Any] | None = None,
-        retries: int = 5,
-        backoff_s: float = 0.5,
-        max_backoff_s: float = 10.0,
-        timeout_s: float = 60.0,
-        *,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        validate_cadence(f"tiers.{name}", every_n_steps, keep)
-        key = f"tiers.{name}"
-        if retries < 0:
-            raise ValueError(f"{key}.retries must be >= 0, got {retries}")
-        if backoff_s < 0:
-            raise ValueError(f"{key}.backoff_s must be >= 0, got {backoff_s}")
-        if max_backoff_s < backoff_s:
-            raise ValueError(f"{key}.max_backoff_s must be >= backoff_s ({backoff_s}), got {max_backoff_s}")
-        if timeout_s <= 0:
-            raise ValueError(f"{key}.timeout_s must be > 0, got {timeout_s}")
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise ValueError(f"{key}.storage_options must be a mapping, got {type(storage_options).__name__}")
-        if not isinstance(url, str) or not url.strip():
-            raise ValueError(f"{key}.url must be an fsspec URL such as s3://bucket/run-17, got {url!r}")
-        self.protocol = _check_protocols(url, key)
-        self.url = url
-        self.name = name
-        self.every_n_steps = every_n_steps
-        self.keep = keep
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.timeout_s = timeout_s
+    def __init__(self, *args: Any, sleep: Callable[[float], None] = time.sleep, **settings: Any) -> None:
+        config = config_from_args(RemoteTier.Config, args, settings, "RemoteTier")
+        self.config = config
+        key = f"tiers.{config.name}"
+        self.protocol = _check_protocols(config.url, key)
+        self.url = config.url
+        self.name = config.name
+        self.every_n_steps = config.every_n_steps
+        self.keep = config.keep
+        self.retries = config.retries
+        self.backoff_s = config.backoff_s
+        self.max_backoff_s = config.max_backoff_s
+        self.timeout_s = config.timeout_s
         self.retries_total = 0
         """Retries made so far (all operations), for metrics."""
         self._sleep = sleep
         self._random = random.Random()
-        self._options = {"skip_instance_cache": True, **dict(storage_options or {})}
+        self._options = {"skip_instance_cache": True, **config.storage_options}
         try:
-            fs, root = fsspec.core.url_to_fs(url, **self._options)
+            fs, root = fsspec.core.url_to_fs(config.url, **self._options)
         except (TypeError, ValueError) as err:
-            raise ValueError(f"{key}.storage_options rejected for {key}.url={url!r}: {err}") from err
+            raise ConfigError(key, "storage_options", f"rejected for {key}.url={config.url!r}: {err}") from err
         root = root.rstrip("/")
         if not root:
-            raise ValueError(f"{key}.url={url!r} names no bucket or directory")
+            raise ConfigError(key, "url", f"must name a bucket or directory, got {config.url!r}")
         self.fs = fs
         self.root = root
         self._hierarchical = self.protocol not in _OBJECT_STORES
@@ -475,9 +493,11 @@ def _check_protocols(url: str, key: str) -> str:
         try:
             fsspec.get_filesystem_class(protocol)
         except ValueError as err:
-            raise ValueError(
-                f"{key}.url={url!r}: unknown protocol {protocol!r} ({err}); use s3://, gs://, az://, file://, "
-                "memory:// or another fsspec protocol"
+            raise ConfigError(
+                key,
+                "url",
+                f"has an unknown protocol {protocol!r} ({err}): use s3://, gs://, az://, file://, memory:// or "
+                f"another fsspec protocol; got {url!r}",
             ) from err
         except ImportError as err:
             raise ImportError(

@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_resilience._configurable import ConfigError
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.format import MANIFEST, write_synced
 from lightning_resilience.checkpoint.local import LocalTier, step_dirname
@@ -102,48 +104,62 @@ class ReplicaPlacement:
 class PeerTier(LocalTier):
     """Node-local RAM copies of every rank's shard, replicated to peers on other nodes.
 
-    Args:
-        path: node-local directory, on tmpfs for RAM speed; ``{node}`` in it is replaced by the node index (lets
-            one machine stand in for several nodes in drills). Default: ``/dev/shm/lightning_resilience/<run id>``.
-        every_n_steps: replication cadence (each replication sends one full shard per replica over the network).
-        keep: committed steps retained, own and held alike.
-        replicas: peer copies of each shard, on that many other nodes (capped at nodes - 1).
-        ranks_per_node: ranks per node; default ``LOCAL_WORLD_SIZE`` as set by torchrun.
-        timeout_s: bound on one transfer between two peers.
-        verify_checksums: recompute file checksums on read.
-        placement: ``"ring"`` (the next nodes) or ``"spread"`` (evenly spaced nodes): see :class:`ReplicaPlacement`.
+    Takes a :class:`PeerTier.Config`, or its fields as arguments: ``PeerTier(every_n_steps=5, replicas=1)``.
     """
+
+    @dataclass(kw_only=True)
+    class Config(LocalTier.Config):
+        """Node-local RAM (tmpfs) copies, replicated to peer ranks on other nodes: survives the loss of a node."""
+
+        path: str = ""
+        """Node-local tmpfs directory ('{node}' becomes the node index); empty: /dev/shm/lightning_resilience/<run
+        id>."""
+        every_n_steps: int = 1
+        """Replication cadence in optimizer steps (each sends one shard per replica over the network)."""
+        keep: int = 2
+        """Committed steps retained (own shards and the replicas held for peers)."""
+        name: str = "peer"
+        """Label in logs, metrics and the report."""
+        replicas: int = 1
+        """Peer copies of each rank's shard, each on a different other node (capped at nodes - 1)."""
+        placement: str = "ring"
+        """'ring' (the next nodes) or 'spread' (nodes evenly spaced around the job: a copy survives a rack's
+        loss)."""
+        ranks_per_node: int | None = None
+        """Ranks per node (failure domain); default LOCAL_WORLD_SIZE as set by torchrun."""
+        timeout_s: float = 300.0
+        """Bound on one shard transfer between two peers."""
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            owner = f"tiers.{self.name}"
+            if self.placement not in PLACEMENTS:
+                raise ConfigError(owner, "placement", f"must be one of {list(PLACEMENTS)}, got {self.placement!r}")
+            if self.replicas < 0:
+                raise ConfigError(owner, "replicas", f"must be >= 0, got {self.replicas}")
+            if self.ranks_per_node is not None and self.ranks_per_node < 1:
+                raise ConfigError(owner, "ranks_per_node", f"must be >= 1, got {self.ranks_per_node}")
+            if not self.timeout_s > 0:
+                raise ConfigError(owner, "timeout_s", f"must be > 0, got {self.timeout_s}")
+
+        def _check_path(self) -> None:
+            pass  # empty: the default tmpfs directory of this job
+
+        def build(self) -> PeerTier:
+            return PeerTier(self)
 
     durability = 1
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str] | None = None,
-        every_n_steps: int = 1,
-        keep: int = 2,
-        name: str = "peer",
-        replicas: int = 1,
-        ranks_per_node: int | None = None,
-        timeout_s: float = 300.0,
-        verify_checksums: bool = True,
-        placement: str = "ring",
-    ) -> None:
-        if placement not in PLACEMENTS:
-            raise ValueError(f"tiers.{name}.placement must be one of {list(PLACEMENTS)}, got {placement!r}")
-        if replicas < 0:
-            raise ValueError(f"tiers.{name}.replicas must be >= 0, got {replicas}")
-        if ranks_per_node is not None and ranks_per_node < 1:
-            raise ValueError(f"tiers.{name}.ranks_per_node must be >= 1, got {ranks_per_node}")
-        if timeout_s <= 0:
-            raise ValueError(f"tiers.{name}.timeout_s must be > 0, got {timeout_s}")
-        self.path_template = str(path) if path is not None else default_peer_path()
-        super().__init__(
-            self.path_template, every_n_steps=every_n_steps, keep=keep, name=name, verify_checksums=verify_checksums
-        )
-        self.replicas = replicas
-        self.replica_placement = placement
-        self.ranks_per_node = ranks_per_node
-        self.timeout = timedelta(seconds=timeout_s)
+    def __init__(self, *args: Any, **settings: Any) -> None:
+        super().__init__(*args, **settings)
+        config = self.config
+        assert isinstance(config, PeerTier.Config)
+        self.path_template = config.path or default_peer_path()
+        self.root = Path(self.path_template).expanduser()
+        self.replicas = config.replicas
+        self.replica_placement = config.placement
+        self.ranks_per_node = config.ranks_per_node
+        self.timeout = timedelta(seconds=config.timeout_s)
         self.placement = ReplicaPlacement(1, 1, 0)
         self._group: Any = None
         self.sent_bytes = 0

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from lightning_resilience._configurable import ConfigError
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 
-__all__ = ["Tier", "TierIdentity", "validate_cadence"]
+__all__ = ["Tier", "TierIdentity", "check_cadence"]
 
 
 class TierIdentity:
@@ -55,8 +56,9 @@ class Tier(Protocol):
         """Remove a committed step; a reader never sees it half-deleted."""
 
 
-def validate_cadence(owner: str, every_n_steps: int, keep: int) -> None:
+def check_cadence(owner: str, every_n_steps: int, keep: int) -> None:
+    """A tier's cadence and retention, checked by its config (``owner`` is ``tiers.<name>``)."""
     if every_n_steps < 1:
-        raise ValueError(f"{owner}.every_n_steps must be >= 1, got {every_n_steps}")
+        raise ConfigError(owner, "every_n_steps", f"must be >= 1, got {every_n_steps}")
     if keep < 1:
-        raise ValueError(f"{owner}.keep must be >= 1, got {keep}")
+        raise ConfigError(owner, "keep", f"must be >= 1, got {keep}")

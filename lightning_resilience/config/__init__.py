@@ -1,18 +1,23 @@
-"""Typed, self-validating configuration dataclasses, one per component."""
+"""Hydra schema registration of the component configs, and their public names.
 
+Each component owns its config dataclass (``LocalTier.Config``, :class:`~lightning_resilience.straggler.config.
+StragglerConfig`...); this package imports them (downwards only) and registers them with Hydra
+(:func:`register_configs`). The names below are the public ones and stay importable from here.
+"""
+
+from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.config.checkpoint import (
-    CheckpointConfig,
     DeltaLocalTierConfig,
     LocalTierConfig,
     MemoryTierConfig,
     PeerTierConfig,
     RemoteTierConfig,
 )
-from lightning_resilience.config.ft import FaultToleranceConfig
-from lightning_resilience.config.policy import PolicyConfig
 from lightning_resilience.config.registry import register_configs
-from lightning_resilience.config.sdc import SDCConfig
-from lightning_resilience.config.straggler import StragglerConfig, StragglerLevelConfig
+from lightning_resilience.ft.config import FaultToleranceConfig
+from lightning_resilience.policy import PolicyConfig
+from lightning_resilience.sdc.config import SDCConfig
+from lightning_resilience.straggler.config import StragglerConfig, StragglerLevelConfig
 
 __all__ = [
     "CheckpointConfig",

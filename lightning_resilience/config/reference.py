@@ -10,9 +10,11 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import re
 import sys
 import textwrap
 import typing
+from enum import Enum
 from typing import Any
 
 from lightning_resilience.config.registry import schemas
@@ -57,13 +59,15 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def _type_name(tp: Any) -> str:
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return " | ".join(repr(m.value) for m in tp)
     text = str(tp) if not isinstance(tp, type) else tp.__name__
-    return text.replace("typing.", "").replace("lightning_resilience.config.", "")
+    return re.sub(r"\b(?:[a-z_]\w*\.)+(?=[A-Za-z_])", "", text)  # module paths: typing., lightning_resilience.x.
 
 
 def _default(f: dataclasses.Field[Any]) -> str:
     if f.default is not dataclasses.MISSING:
-        return repr(f.default)
+        return repr(f.default.value if isinstance(f.default, Enum) else f.default)
     if f.default_factory is not dataclasses.MISSING:
         value = f.default_factory()
         if value and dataclasses.is_dataclass(value[0] if isinstance(value, list) else value):
@@ -88,11 +92,12 @@ def render() -> str:
         hints = typing.get_type_hints(cls)
         docs = field_docs(cls)
         summary = " ".join((cls.__doc__ or "").split())
-        lines += [f"## `{cls.__name__}` — `{_GROUPS.get(name, name)}`", "", summary, ""]
+        lines += [f"## `{cls.__qualname__}` — `{_GROUPS.get(name, name)}`", "", summary, ""]
         lines += ["| field | type | default | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             doc = docs.get(f.name, "").replace("|", "\\|")
-            lines.append(f"| `{f.name}` | `{_type_name(hints[f.name])}` | `{_default(f)}` | {doc} |")
+            kind = _type_name(hints[f.name]).replace("|", "\\|")
+            lines.append(f"| `{f.name}` | `{kind}` | `{_default(f)}` | {doc} |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 

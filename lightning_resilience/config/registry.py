@@ -1,34 +1,43 @@
 """Hydra integration of the configs: schemas registered explicitly, objects built from ``_target_`` nodes.
 
-:func:`register_configs` stores every component's config dataclass in Hydra's ConfigStore (group
-``resilience/schema``), so a user's own YAML can extend a schema and be type-checked at composition. Nothing is
-registered at import.
+:func:`register_configs` stores every component's config dataclass, as it is, in Hydra's ConfigStore (group
+``resilience/schema``), so a user's own YAML can extend a schema and be type-checked at composition (choices are
+string enums, which OmegaConf checks; no shadow schema is needed). Nothing is registered at import. The
+dataclasses live with their components (``LocalTier.Config``, :mod:`lightning_resilience.straggler.config`...);
+this package only imports them.
 
 :func:`build` turns a composed node (``cfg.resilience``) into objects with :func:`hydra.utils.instantiate`, node by
 node, so that a bad value fails with a message that names the full key::
 
     resilience.checkpoint.tiers[1].every_n_steps must be >= 1, got 0
 
-A node whose ``_target_`` is one of our config dataclasses is first merged into its structured schema (type errors
-name the key too) and then constructed, which runs its own validation.
+A node whose ``_target_`` names one of our config dataclasses (every schema carries one) or that is typed by one
+is type-checked against it (type errors name the key too) and then constructed, which runs its own validation; a
+:class:`~lightning_resilience._configurable.ConfigError` it raises carries the field, which is put under the key.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import re
-import types
-import typing
 from collections.abc import Callable
-from typing import Any, Literal, Union
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-__all__ = ["ResilienceConfigError", "build", "build_all", "register_configs", "schemas", "structured_schema"]
+from lightning_resilience._configurable import ConfigError
+from lightning_resilience.checkpoint.config import CheckpointConfig
+from lightning_resilience.checkpoint.delta_tier import DeltaLocalTier
+from lightning_resilience.checkpoint.local import LocalTier
+from lightning_resilience.checkpoint.memory import MemoryTier
+from lightning_resilience.checkpoint.remote import RemoteTier
+from lightning_resilience.checkpoint.replication import PeerTier
+from lightning_resilience.ft.config import FaultToleranceConfig
+from lightning_resilience.policy import PolicyConfig
+from lightning_resilience.sdc.config import SDCConfig
+from lightning_resilience.straggler.config import StragglerConfig
 
-_MUST = re.compile(r"^(?P<key>[\w.\[\]]+) (?P<rest>(must|has|:) .*)$", re.DOTALL)
+__all__ = ["ResilienceConfigError", "build", "build_all", "register_configs", "schema_node", "schemas"]
 
 
 class ResilienceConfigError(ValueError):
@@ -37,26 +46,13 @@ class ResilienceConfigError(ValueError):
 
 def schemas() -> dict[str, type]:
     """Every registered schema: name -> config dataclass."""
-    from lightning_resilience.config.checkpoint import (
-        CheckpointConfig,
-        DeltaLocalTierConfig,
-        LocalTierConfig,
-        MemoryTierConfig,
-        PeerTierConfig,
-        RemoteTierConfig,
-    )
-    from lightning_resilience.config.ft import FaultToleranceConfig
-    from lightning_resilience.config.policy import PolicyConfig
-    from lightning_resilience.config.sdc import SDCConfig
-    from lightning_resilience.config.straggler import StragglerConfig
-
     return {
         "checkpoint": CheckpointConfig,
-        "memory_tier": MemoryTierConfig,
-        "local_tier": LocalTierConfig,
-        "delta_local_tier": DeltaLocalTierConfig,
-        "peer_tier": PeerTierConfig,
-        "remote_tier": RemoteTierConfig,
+        "memory_tier": MemoryTier.Config,
+        "local_tier": LocalTier.Config,
+        "delta_local_tier": DeltaLocalTier.Config,
+        "peer_tier": PeerTier.Config,
+        "remote_tier": RemoteTier.Config,
         "ft": FaultToleranceConfig,
         "straggler": StragglerConfig,
         "sdc": SDCConfig,
@@ -70,60 +66,18 @@ def register_configs(store: Any = None) -> None:
 
     cs = store or ConfigStore.instance()
     for name, schema in schemas().items():
-        cs.store(group="resilience/schema", name=name, node=structured_schema(schema))
+        cs.store(group="resilience/schema", name=name, node=schema_node(schema))
 
 
-@functools.cache
-def structured_schema(cls: type) -> type:
-    """``cls`` as OmegaConf can type-check it: same fields and defaults, ``Literal[...]`` as its value type, and a
-    ``_target_`` naming ``cls``.
-
-    OmegaConf has no ``Literal``; the allowed values are still enforced by ``cls`` itself when it is built.
-    """
-    hints = typing.get_type_hints(cls)
-    # ``_target_`` first: a YAML node that extends the schema builds the real class with no more said
-    fields: list[Any] = [("_target_", str, dataclasses.field(default=f"{cls.__module__}.{cls.__qualname__}"))]
-    for f in dataclasses.fields(cls):
-        spec: dict[str, Any] = {}
-        if f.default is not dataclasses.MISSING:
-            spec["default"] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            spec["default_factory"] = functools.partial(_as_plain, f.default_factory)
-        fields.append((f.name, _plain_type(hints[f.name]), dataclasses.field(**spec)))
-    return dataclasses.make_dataclass(f"{cls.__name__}Schema", fields, kw_only=True)
-
-
-def _as_plain(factory: Callable[[], Any]) -> Any:
-    """A default built by ``factory``, its config dataclasses turned into their schema counterparts."""
-
-    def plain(value: Any) -> Any:
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            schema = structured_schema(type(value))
-            return schema(**{f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)})
-        if isinstance(value, list | tuple):
-            return [plain(v) for v in value]
-        if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items()}
-        return value
-
-    return plain(factory())
-
-
-def _plain_type(tp: Any) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Literal:
-        return type(args[0])
-    if origin in (Union, types.UnionType):
-        rest = [_plain_type(a) for a in args if a is not type(None)]
-        inner = rest[0] if len(rest) == 1 else Any
-        return typing.Optional[inner] if len(rest) < len(args) else inner  # noqa: UP045 (built at run time)
-    if origin is list:
-        return list.__class_getitem__(_plain_type(args[0])) if args else list
-    if origin is dict:
-        return dict.__class_getitem__((args[0], _plain_type(args[1]))) if args else dict
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return structured_schema(tp)
-    return tp
+def schema_node(cls: type) -> DictConfig:
+    """``cls`` as a structured config (OmegaConf type-checks every field, enums included) with a ``_target_`` naming
+    it: a YAML node that extends the schema builds the real class with no more said, even after a tool has merged
+    it into an untyped config."""
+    node = OmegaConf.structured(cls)
+    OmegaConf.set_struct(node, False)
+    node["_target_"] = f"{cls.__module__}.{cls.__qualname__}"
+    OmegaConf.set_struct(node, True)
+    return node
 
 
 def build(node: Any, key: str = "resilience") -> Any:
@@ -139,9 +93,12 @@ def build(node: Any, key: str = "resilience") -> Any:
     items = node.items_ex(resolve=True) if isinstance(node, DictConfig) else node.items()
     children = {str(k): build(v, f"{key}.{k!s}") for k, v in items if k != "_target_"}
     target = node.get("_target_")
-    if target is None:
-        return children
-    return _construct(str(target), children, key)
+    if target is not None:
+        return _construct(str(target), children, key)
+    schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+    if isinstance(schema, type) and dataclasses.is_dataclass(schema):
+        return _construct_dataclass(schema, children, key)  # a schema extended by YAML: its own class
+    return children
 
 
 def _construct(target: str, kwargs: dict[str, Any], key: str) -> Any:
@@ -165,7 +122,7 @@ def _construct_dataclass(cls: type, kwargs: dict[str, Any], key: str) -> Any:
     plain = {k: v for k, v in kwargs.items() if k not in nested}
     try:
         # type-check against the schema (a string where an int belongs fails here, naming the key)
-        OmegaConf.merge(OmegaConf.structured(structured_schema(cls)), plain)
+        OmegaConf.merge(OmegaConf.structured(cls), plain)
     except OmegaConfBaseException as err:
         sub = getattr(err, "full_key", "") or ""
         first = str(err).splitlines()[0]
@@ -177,16 +134,17 @@ def _construct_dataclass(cls: type, kwargs: dict[str, Any], key: str) -> Any:
 
 
 def _named(err: BaseException, key: str) -> ResilienceConfigError:
-    """Rewrite a component's own message (``tiers.local.every_n_steps must be ...``) with the full key."""
-    cause: BaseException = err
-    while cause.__cause__ is not None and not isinstance(cause, ValueError | TypeError):
+    """A component's own error under the full key: a :class:`ConfigError` names its field, anything else is quoted."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = err
+    while cause is not None and len(chain) < 8:  # hydra wraps what the constructor raised
+        chain.append(cause)
         cause = cause.__cause__
-    msg = str(cause)
-    match = _MUST.match(msg)
-    if match:
-        field = match.group("key").split(".")[-1]
-        return ResilienceConfigError(f"{key}.{field} {match.group('rest')}")
-    return ResilienceConfigError(f"{key}: {msg}")
+    named = next((c for c in chain if isinstance(c, ConfigError)), None)
+    if named is not None:
+        return ResilienceConfigError(named.under(key))
+    plain = next((c for c in chain if isinstance(c, ValueError | TypeError)), err)
+    return ResilienceConfigError(f"{key}: {plain}")
 
 
 def build_all(node: Any, key: str = "resilience", *, skip: Callable[[str], bool] | None = None) -> dict[str, Any]:

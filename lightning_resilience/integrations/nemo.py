@@ -80,11 +80,11 @@ _FT_LAUNCHER_KEYS = (
 _DEFAULT_NODES: dict[str, dict[str, Any]] = {
     "ft": {
         "_target_": "lightning_resilience.lightning.callbacks.fault_tolerance.FaultTolerance",
-        "config": {"_target_": "lightning_resilience.config.ft.FaultToleranceConfig"},
+        "config": {"_target_": "lightning_resilience.ft.config.FaultToleranceConfig"},
     },
     "straggler": {
         "_target_": "lightning_resilience.lightning.callbacks.straggler.StragglerDetection",
-        "config": {"_target_": "lightning_resilience.config.straggler.StragglerConfig"},
+        "config": {"_target_": "lightning_resilience.straggler.config.StragglerConfig"},
     },
 }
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_resilience.config.sdc import SDCConfig
+from lightning_resilience.sdc.config import SDCConfig
 from lightning_resilience.sdc.fingerprint import group_rows, make_digest
 from lightning_resilience.sdc.guards import GuardReport, Guards, grad_norm, param_norm
 from lightning_resilience.sdc.localize import Ballot, Opinion, next_device, vote

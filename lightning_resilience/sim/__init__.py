@@ -5,7 +5,9 @@ Framework-free (NumPy only). ``simulate(SimConfig(...))`` runs one job; ``simula
 the closed forms it is checked against; ``simulate_main`` is the ``lightning-resilience simulate`` command.
 """
 
-from lightning_resilience.config.sim import (
+from lightning_resilience.sim.analytic import daly_ettr, daly_interval, first_order_waste, young_interval
+from lightning_resilience.sim.cli import simulate_main
+from lightning_resilience.sim.config import (
     ClusterConfig,
     FailureConfig,
     FailureKindConfig,
@@ -14,8 +16,6 @@ from lightning_resilience.config.sim import (
     SimConfig,
     SimTierConfig,
 )
-from lightning_resilience.sim.analytic import daly_ettr, daly_interval, first_order_waste, young_interval
-from lightning_resilience.sim.cli import simulate_main
 from lightning_resilience.sim.engine import (
     CATEGORIES,
     Breakdown,

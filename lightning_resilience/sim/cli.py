@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_resilience.config.sim import (
+from lightning_resilience.sim.analytic import daly_interval, young_interval
+from lightning_resilience.sim.config import (
     DURABILITIES,
     FAILURE_KINDS,
     RESTART_PATHS,
@@ -27,7 +28,6 @@ from lightning_resilience.config.sim import (
     SimTierConfig,
     default_failure_kinds,
 )
-from lightning_resilience.sim.analytic import daly_interval, young_interval
 from lightning_resilience.sim.engine import simulate_many
 from lightning_resilience.sim.from_run import apply_run_costs, load_run_costs
 from lightning_resilience.sim.report import breakdown_table, plot_sweep, sweep_table

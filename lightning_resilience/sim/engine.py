@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_resilience.config.sim import (
+from lightning_resilience.sim.config import (
     FAILURE_KINDS,
     RESTART_PATHS,
     FailureKindConfig,

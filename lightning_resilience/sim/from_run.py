@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_resilience.config.sim import RESTART_PATHS, SimConfig, SimTierConfig
+from lightning_resilience.sim.config import RESTART_PATHS, SimConfig, SimTierConfig
 
 __all__ = ["REPORT_NAME", "RunCosts", "apply_run_costs", "load_run_costs"]
 

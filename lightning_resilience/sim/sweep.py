@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from lightning_resilience.config.sim import SimConfig, SimTierConfig
 from lightning_resilience.sim.analytic import daly_interval, young_interval
+from lightning_resilience.sim.config import SimConfig, SimTierConfig
 from lightning_resilience.sim.engine import MonteCarloResult, simulate
 
 __all__ = ["optimal_interval", "sweep", "with_gpus", "with_interval"]

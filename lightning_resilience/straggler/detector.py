@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_resilience.config.straggler import StragglerConfig
 from lightning_resilience.straggler.changepoint import MIN_HISTORY, RobustCusum
+from lightning_resilience.straggler.config import StragglerConfig
 from lightning_resilience.straggler.kernels import KERNELS, NvrxKernelScores, open_kernel_scores
 from lightning_resilience.straggler.policy import Action, ActionLadder, Decision, Verdict
 from lightning_resilience.straggler.scores import IndividualBaseline, relative_slowdowns

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_resilience.config.straggler import StragglerLevelConfig
 from lightning_resilience.exit_codes import ExitCode
+from lightning_resilience.straggler.config import StragglerLevelConfig
 
 __all__ = ["STRAGGLER_EXIT_CODE", "Action", "ActionLadder", "Decision", "Verdict"]
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import lightning_resilience.checkpoint.local as local_module
+from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError, CheckpointWorkerError
 from lightning_resilience.checkpoint.format import write_shard
 from lightning_resilience.checkpoint.local import LocalTier, step_dirname
@@ -20,7 +21,6 @@ from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tier import Tier, TierIdentity
 from lightning_resilience.checkpoint.tree import unflatten_state
-from lightning_resilience.config.checkpoint import CheckpointConfig
 from tests.checkpoint.conftest import (
     assert_state_equal,
     assert_tensors_equal,

@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
+from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.manager import CheckpointManager
 from lightning_resilience.checkpoint.memory import MemoryTier
-from lightning_resilience.config.checkpoint import CheckpointConfig
 from tests.checkpoint.conftest import assert_state_equal, make_state, state_at
 
 

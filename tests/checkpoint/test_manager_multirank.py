@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.local import LocalTier, step_dirname
 from lightning_resilience.checkpoint.manager import CheckpointManager
 from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
-from lightning_resilience.config.checkpoint import CheckpointConfig
 from tests._ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(90)

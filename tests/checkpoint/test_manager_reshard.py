@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.manager import CheckpointManager
-from lightning_resilience.config.checkpoint import CheckpointConfig
 from tests._ranks import run_ranks
 
 

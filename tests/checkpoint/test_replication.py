@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.local import LocalTier, step_dirname
 from lightning_resilience.checkpoint.manager import CheckpointManager
 from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.checkpoint.replication import PeerTier, ReplicaPlacement, _pack, _unpack
-from lightning_resilience.config.checkpoint import CheckpointConfig, PeerTierConfig
+from lightning_resilience.config import PeerTierConfig
 from tests._ranks import run_ranks
 from tests.checkpoint.conftest import assert_state_equal, make_state, state_at
 

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from lightning_resilience.checkpoint import reshard
+from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.local import LocalTier, step_dirname
 from lightning_resilience.checkpoint.manager import CheckpointManager
@@ -40,7 +41,6 @@ from lightning_resilience.checkpoint.reshard import (
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tier import TierIdentity
 from lightning_resilience.checkpoint.tree import flatten_state, placement_from_text
-from lightning_resilience.config.checkpoint import CheckpointConfig
 from tests._ranks import run_ranks
 from tests.checkpoint.conftest import data_file, flip_byte, rewrite_manifest
 

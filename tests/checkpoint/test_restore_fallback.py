@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.errors import NoValidCheckpointError
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.manager import CheckpointManager
 from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.checkpoint.tier import Tier
-from lightning_resilience.config.checkpoint import CheckpointConfig
 from tests.checkpoint.conftest import assert_state_equal, data_file, flip_byte, make_state, state_at
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_resilience.config.ft import FaultToleranceConfig
+from lightning_resilience.ft.config import FaultToleranceConfig
 from lightning_resilience.ft.ettr import EttrLedger, EttrReport
 from lightning_resilience.ft.heartbeat import RankMonitorBridge, connect_rank_monitor
 from lightning_resilience.ft.preemption import PREEMPT_EXIT_CODE, PreemptionNotice, connect_store

@@ -14,11 +14,10 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_resilience.config.policy import PolicyConfig
 from lightning_resilience.exit_codes import ExitCode
 from lightning_resilience.lightning._trainer_state import dump_trainer_state
 from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
-from lightning_resilience.policy import Action, Decision, Event, PolicyBus, PostedVerdict
+from lightning_resilience.policy import Action, Decision, Event, PolicyBus, PolicyConfig, PostedVerdict
 
 __all__ = ["POLICY_STOP_EXIT_CODE", "ResiliencePolicy", "find_policy"]
 

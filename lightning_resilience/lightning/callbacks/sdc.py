@@ -17,10 +17,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_resilience.config.sdc import SDCConfig
 from lightning_resilience.lightning.callbacks.policy import find_policy
 from lightning_resilience.policy import Action as PolicyAction
 from lightning_resilience.policy import Event
+from lightning_resilience.sdc.config import SDCConfig
 from lightning_resilience.sdc.monitor import SDCMonitor, SDCStats, StepOutcome
 from lightning_resilience.sdc.verdict import SDC_EXIT_CODE, SDCEvent, SilentDataCorruptionError, Verdict
 

@@ -14,10 +14,10 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_resilience.config.straggler import StragglerConfig
 from lightning_resilience.lightning._trainer_state import dump_trainer_state
 from lightning_resilience.lightning.callbacks.policy import find_policy
 from lightning_resilience.policy import Event
+from lightning_resilience.straggler.config import StragglerConfig
 from lightning_resilience.straggler.detector import StragglerDetector
 from lightning_resilience.straggler.policy import STRAGGLER_EXIT_CODE, Action, Decision, Verdict
 

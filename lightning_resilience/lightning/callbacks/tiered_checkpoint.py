@@ -11,11 +11,11 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.manager import CheckpointManager, CheckpointStats
 from lightning_resilience.checkpoint.rng import capture_rng_states, restore_rng_states
 from lightning_resilience.checkpoint.tier import Tier
 from lightning_resilience.checkpoint.tree import storage_ptr
-from lightning_resilience.config.checkpoint import CheckpointConfig
 from lightning_resilience.lightning._trainer_state import dump_trainer_state, restore_trainer_state
 
 __all__ = ["TieredCheckpoint"]

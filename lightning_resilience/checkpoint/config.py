@@ -1,0 +1,92 @@
+"""Configuration of the checkpoint engine (:class:`~lightning_resilience.checkpoint.manager.CheckpointManager`),
+independent of the tiers it drives; each tier owns its own ``Config`` (``LocalTier.Config``...)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+from lightning_resilience._configurable import ConfigError, StrEnum, as_enum
+
+__all__ = ["ON_PERSIST_ERROR", "CheckpointConfig", "IfNoneValid"]
+
+_RESUME_WORDS = ("auto", "never")
+
+
+class IfNoneValid(StrEnum):
+    """What a restore does when checkpoints exist but none is valid on every rank."""
+
+    start_fresh = "start_fresh"
+    fail = "fail"
+
+
+ON_PERSIST_ERROR = ("warn", "raise")
+"""What a failed background write to a tier does: log and count it, or stop training (a plain string: ``raise``
+cannot name an enum member, and OmegaConf looks a YAML string up by member name)."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Behaviour of the checkpoint engine, independent of which tiers it drives."""
+
+    resume: str = "auto"
+    """'auto' (newest step every rank can load), 'never', or a step number to resume from."""
+    if_none_valid: IfNoneValid = IfNoneValid.start_fresh
+    """What to do when checkpoints exist but none is valid on every rank."""
+    on_persist_error: str = "warn"
+    """A tier write that fails with an I/O error: log and count it and keep training, or stop."""
+    max_host_copies: int = 0
+    """Upper bound on host snapshot buffers; 0 picks RAM keep + 2 (enough that capture never waits)."""
+    persist_on_train_end: bool = True
+    """When training ends, persist the final step to every persistent tier (whatever the cadences) and wait."""
+    overlap_copy: bool = True
+    """Copy parameters and optimizer state into the snapshot in the background (a CPU thread, or a CUDA side stream)
+    while the next forward and backward run; the next optimizer step waits for it (on a GPU the training stream
+    waits, not the CPU). Turn off if something other than the optimizer changes
+    parameters between steps (an in-place weight edit in a callback)."""
+    allow_reshard: bool = True
+    """When no step is loadable at this world size, restore the newest step written by a job of another world size
+    (a directory tier every rank can read), resharded: exact for model and optimizer, not for per-rank RNG and
+    data position (see docs/resharding.md)."""
+    save_on_exception: bool = True
+    """When training raises, persist the newest RAM snapshot (the last state captured at a step boundary, not the
+    possibly broken live state) to the persistent tiers before the exception propagates. Rank-local: no collective
+    runs, since other ranks may be stuck or gone."""
+    emergency_timeout_s: float = 120.0
+    """Time allowed to an emergency save (exception, preemption notice); slower tiers are skipped once it runs out."""
+    drain_timeout_s: float = 600.0
+    """Longest wait for the in-flight persist at teardown."""
+    snapshot_timeout_s: float = 60.0
+    """Longest wait for a free host buffer (only reached with max_host_copies set too low)."""
+
+    def __post_init__(self) -> None:
+        self.resume = str(self.resume)
+        if self.resume not in _RESUME_WORDS and not self.resume.isdigit():
+            raise ConfigError("checkpoint", "resume", f"must be 'auto', 'never' or a step number, got {self.resume!r}")
+        self.if_none_valid = as_enum(IfNoneValid, self.if_none_valid, "checkpoint", "if_none_valid")
+        if self.on_persist_error not in ON_PERSIST_ERROR:
+            choices = list(ON_PERSIST_ERROR)
+            raise ConfigError(
+                "checkpoint", "on_persist_error", f"must be one of {choices}, got {self.on_persist_error!r}"
+            )
+        if self.max_host_copies != 0 and self.max_host_copies < 2:
+            raise ConfigError("checkpoint", "max_host_copies", f"must be 0 (auto) or >= 2, got {self.max_host_copies}")
+        for key in ("drain_timeout_s", "snapshot_timeout_s", "emergency_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError("checkpoint", key, f"must be > 0, got {getattr(self, key)}")
+
+    @property
+    def resume_step(self) -> int | None:
+        return int(self.resume) if self.resume.isdigit() else None
+
+    @property
+    def drain_timeout(self) -> timedelta:
+        return timedelta(seconds=self.drain_timeout_s)
+
+    @property
+    def snapshot_timeout(self) -> timedelta:
+        return timedelta(seconds=self.snapshot_timeout_s)
+
+    @property
+    def emergency_timeout(self) -> timedelta:
+        return timedelta(seconds=self.emergency_timeout_s)

@@ -1,0 +1,90 @@
+"""Configuration of silent data corruption (SDC) verification: guards, dual-run replay, cross-replica checks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+
+from lightning_resilience._configurable import ConfigError, StrEnum, as_enum
+
+__all__ = ["Compare", "SDCConfig"]
+
+
+class Compare(StrEnum):
+    """How a replay is compared with the original step."""
+
+    bitwise = "bitwise"
+    tolerance = "tolerance"
+
+
+@dataclass(kw_only=True)
+class SDCConfig:
+    """What SDC verification checks, how often, and what it does about a confirmed corruption."""
+
+    guards: bool = True
+    """Check every step for NaN/Inf and robust spikes in the loss and the gradient norm (one norm, one scalar read)."""
+    guard_window: int = 64
+    """Recent values kept per guard for the robust baseline (median / MAD)."""
+    guard_min_history: int = 8
+    """Values needed before spike guards may fire (NaN/Inf guards fire from the first step)."""
+    guard_threshold: float = 8.0
+    """Robust z-score (|x - median| / (1.4826 * MAD)) above which a value is a spike."""
+    param_norm_every_n_steps: int = 10
+    """Steps between two parameter-norm checks (a jump against the baseline of norm changes fires the guard);
+    0 disables the check."""
+    replay_every_n_steps: int = 200
+    """Steps between two dual-run replays (a guard that fires triggers one at once); 0: only when a guard fires."""
+    partner_replay: bool = True
+    """With more than one rank, each replay also recomputes a neighbour rank's batch (catches a faulty device)."""
+    max_opinions: int = 5
+    """Upper bound on the replays spent on one batch before it is declared unresolved."""
+    compare: Compare = Compare.bitwise
+    """'bitwise' (deterministic algorithms on) or 'tolerance' (sums and norms within rtol/atol, for
+    non-deterministic kernels; misses flips below the tolerance)."""
+    rtol: float = 1e-5
+    """Relative tolerance of the 'tolerance' comparison."""
+    atol: float = 1e-8
+    """Absolute tolerance of the 'tolerance' comparison."""
+    ddp_fingerprint: bool = True
+    """Under DDP, digest each gradient bucket before its all-reduce (a communication hook) so that a replay can be
+    compared with the local gradients this rank actually contributed."""
+    reconcile_every_n_steps: int = 50
+    """Steps between two cross-replica comparisons of parameter and optimizer-state digests; 0 disables them."""
+    stop_on_suspect: bool = False
+    """A fault that a replay cannot fix (persistent device, unresolved vote) raises SilentDataCorruptionError
+    after the verdict file is written, so the launcher sees SDC_EXIT_CODE and can exclude the node."""
+    run_dir: str | None = None
+    """Directory of the verdict file (sdc_verdict.json) a launcher reads; None: no file."""
+    rollback_tiers: list[str] | None = None
+    """Checkpoint tiers whose steps may be rollback targets (None: all; name persistent tiers when the rollback
+    goes through a process restart)."""
+    timeout_s: float = 300.0
+    """Bound on each agreement between ranks (all-gathers on the side gloo group), in seconds."""
+
+    def __post_init__(self) -> None:
+        if self.guard_window < 4:
+            raise ConfigError("sdc", "guard_window", f"must be >= 4, got {self.guard_window}")
+        if not 2 <= self.guard_min_history <= self.guard_window:
+            raise ConfigError(
+                "sdc",
+                "guard_min_history",
+                f"must be in [2, sdc.guard_window={self.guard_window}], got {self.guard_min_history}",
+            )
+        if not (math.isfinite(self.guard_threshold) and self.guard_threshold > 0):
+            raise ConfigError("sdc", "guard_threshold", f"must be a finite number > 0, got {self.guard_threshold}")
+        for key in ("param_norm_every_n_steps", "replay_every_n_steps", "reconcile_every_n_steps"):
+            if getattr(self, key) < 0:
+                raise ConfigError("sdc", key, f"must be >= 0, got {getattr(self, key)}")
+        if self.max_opinions < 3:
+            raise ConfigError("sdc", "max_opinions", f"must be >= 3 (a vote needs three), got {self.max_opinions}")
+        self.compare = as_enum(Compare, self.compare, "sdc", "compare")
+        for key in ("rtol", "atol"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError("sdc", key, f"must be >= 0, got {getattr(self, key)}")
+        if not self.timeout_s > 0:
+            raise ConfigError("sdc", "timeout_s", f"must be > 0, got {self.timeout_s}")
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)

@@ -1,0 +1,142 @@
+"""Configuration of the straggler (fail-slow) detector and its action ladder."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from lightning_resilience._configurable import ConfigError, StrEnum, as_enum
+
+__all__ = ["DetectOn", "LevelAction", "Reference", "StragglerConfig", "StragglerLevelConfig"]
+
+
+class LevelAction(StrEnum):
+    """What a rung of the ladder does (see :class:`~lightning_resilience.straggler.policy.Action`)."""
+
+    log = "log"
+    alert = "alert"
+    exclude = "exclude"
+    stop = "stop"
+
+
+class Reference(StrEnum):
+    """What a rank's time is compared with in the relative score."""
+
+    median = "median"
+    fastest = "fastest"
+
+
+class DetectOn(StrEnum):
+    """The series the change-point test runs on."""
+
+    relative = "relative"
+    individual = "individual"
+
+
+@dataclass(kw_only=True)
+class StragglerLevelConfig:
+    """One rung of the action ladder: what to do once a confirmed straggler stays this slow for this long."""
+
+    action: LevelAction
+    """'log' (a warning), 'alert' (a logged event and a metric), 'exclude' (call the user's exclusion hook), or
+    'stop' (checkpoint now and stop with the straggler exit code)."""
+    slowdown: float = 1.1
+    """Slowdown factor (straggler time / reference time) at or above which this level counts a step."""
+    persist_steps: int = 1
+    """Consecutive gathered steps at or above ``slowdown`` (after confirmation) before the level fires."""
+
+    def __post_init__(self) -> None:
+        self.action = as_enum(LevelAction, self.action, "straggler.levels", "action")
+        if not (math.isfinite(self.slowdown) and self.slowdown > 1.0):
+            raise ConfigError("straggler.levels", "slowdown", f"must be a finite factor > 1.0, got {self.slowdown}")
+        if self.persist_steps < 1:
+            raise ConfigError("straggler.levels", "persist_steps", f"must be >= 1, got {self.persist_steps}")
+
+
+def _default_levels() -> list[StragglerLevelConfig]:
+    return [
+        StragglerLevelConfig(action=LevelAction.log, slowdown=1.1, persist_steps=1),
+        StragglerLevelConfig(action=LevelAction.alert, slowdown=1.2, persist_steps=5),
+    ]
+
+
+@dataclass(kw_only=True)
+class StragglerConfig:
+    """Behaviour of the straggler detector: what it times, how often ranks compare, how it decides, what it does."""
+
+    gather_every_n_steps: int = 1
+    """Steps between two exchanges of timings across ranks (one small all-gather on a side gloo group). Each
+    exchange carries the per-section median of the steps since the previous one; detection latency in steps grows
+    with this cadence."""
+    warmup_steps: int = 5
+    """Steps ignored at the start of a run (and after a resume): compilation, allocator and cache warm-up."""
+    reference: Reference = Reference.median
+    """Relative score reference: the median or the fastest of the OTHER ranks' times for the same step."""
+    detect_on: DetectOn = DetectOn.relative
+    """Series the change-point test runs on: 'relative' (rank vs the other ranks, insensitive to job-wide slowdowns)
+    or 'individual' (rank vs its own best history). A single-rank job always uses 'individual'."""
+    window: int = 64
+    """Gathered samples kept per rank and section for the robust statistics (median / MAD, own best history)."""
+    min_slowdown: float = 1.1
+    """Confirmation (FALCON-style): a change point becomes a verdict only if the last ``confirm_steps`` samples, all
+    but one, are slowdowns of at least this factor; also the shift the CUSUM is tuned to detect."""
+    confirm_steps: int = 5
+    """Recent samples that must show ``min_slowdown`` (all of them below 3, else all but one): a shorter hiccup is
+    never a straggler; also sets the episode-end hysteresis (2 x this many calm samples)."""
+    cusum_threshold: float = 5.0
+    """CUSUM decision threshold h, in robust standard deviations (higher: fewer false alarms, slower detection)."""
+    cusum_clip: float = 4.0
+    """Largest contribution of one sample to the CUSUM, in robust standard deviations: bounds what one spike adds."""
+    noise_floor: float = 0.01
+    """Smallest noise scale assumed (log units, ~1% jitter): keeps a perfectly steady series from alarming on noise."""
+    sections: list[str] = field(default_factory=lambda: ["step"])
+    """Sections whose series are tested ('step' is the whole step; add 'forward', 'optimizer', 'data' or user
+    sections). Under data parallelism the gradient all-reduce equalises whole-step times across ranks, so the
+    sections without collectives are the ones that name the slow rank."""
+    levels: list[StragglerLevelConfig] = field(default_factory=_default_levels)
+    """Action ladder; each level fires at most once per straggler episode."""
+    gather_timeout_s: float = 120.0
+    """Longest wait for the cross-rank exchange of timings."""
+    cuda_events: bool = True
+    """On a GPU, time sections with CUDA events (device time) instead of the host wall clock."""
+    kernel_scores: bool = False
+    """On a GPU, add the CUPTI kernel scores of nvidia-resiliency-ext as an extra series ('kernels'); ignored (with
+    a warning) where CUPTI is unavailable."""
+
+    def __post_init__(self) -> None:
+        # Hydra hands over plain dicts for list-of-dataclass fields
+        self.levels = [
+            lvl if isinstance(lvl, StragglerLevelConfig) else StragglerLevelConfig(**lvl) for lvl in self.levels
+        ]
+        self.sections = [str(s) for s in self.sections]
+        for key in ("gather_every_n_steps", "confirm_steps"):
+            if getattr(self, key) < 1:
+                raise ConfigError("straggler", key, f"must be >= 1, got {getattr(self, key)}")
+        if self.warmup_steps < 0:
+            raise ConfigError("straggler", "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        self.reference = as_enum(Reference, self.reference, "straggler", "reference")
+        self.detect_on = as_enum(DetectOn, self.detect_on, "straggler", "detect_on")
+        if self.window < 4:
+            raise ConfigError("straggler", "window", f"must be >= 4, got {self.window}")
+        if self.confirm_steps > self.window:
+            raise ConfigError(
+                "straggler", "confirm_steps", f"must be <= straggler.window ({self.window}), got {self.confirm_steps}"
+            )
+        if not (math.isfinite(self.min_slowdown) and self.min_slowdown > 1.0):
+            raise ConfigError("straggler", "min_slowdown", f"must be a finite factor > 1.0, got {self.min_slowdown}")
+        for key in ("cusum_threshold", "cusum_clip", "noise_floor", "gather_timeout_s"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError("straggler", key, f"must be > 0, got {value}")
+        if not self.sections:
+            raise ConfigError("straggler", "sections", "must name at least one section, got []")
+        if len(set(self.sections)) != len(self.sections):
+            raise ConfigError("straggler", "sections", f"must not repeat a name, got {self.sections}")
+        actions = [str(lvl.action) for lvl in self.levels]
+        if len(set(actions)) != len(actions):
+            raise ConfigError("straggler", "levels", f"must name each action at most once, got {actions}")
+
+    @property
+    def gather_timeout(self) -> timedelta:
+        return timedelta(seconds=self.gather_timeout_s)
