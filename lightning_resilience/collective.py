@@ -1,0 +1,332 @@
+"""The one place for cross-rank agreements: a side gloo group, an explicit deadline on every wait, one typed error.
+
+Every component that agrees on something across ranks (the checkpoint engine's persist and restore decisions, the
+peer-tier exchange, the policy, SDC and straggler exchanges) does it through a :class:`SideGroup`:
+
+* a **side gloo group** of its own, created at setup in the same order on every rank, so small agreements never
+  interleave with the training collectives (NCCL or gloo) and run on the host;
+* an **explicit timeout** from the component's config (never the process-group default of 30 minutes), and a
+  per-call ``deadline`` that can only shorten it (an emergency save passes what is left of its budget);
+* one **typed error**: a peer that is gone, crashed or late turns into :class:`CollectiveError`
+  (:class:`CollectiveTimeoutError` when the deadline passed) on every rank that takes part, within the deadline.
+  After a failure the group is *broken*: every later call raises at once instead of waiting on a pair that gloo has
+  closed.
+
+The rule that makes this enough is the caller's: a call site is reached by all ranks on all paths, or by none. A
+rank-local path (a save after an exception, when other ranks may be dead) never calls the group. Errors found on
+one rank before an agreement are carried *into* it (``all_true(ok)``) rather than raised before it, so every rank
+takes the same branch afterwards (torchft's ``should_commit`` pattern).
+
+Tests and drills inject faults with :func:`set_fault_hook` (see :mod:`lightning_resilience.testing.faults`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "Deadline",
+    "FaultHook",
+    "SideGroup",
+    "set_fault_hook",
+]
+
+log = logging.getLogger(__name__)
+
+FaultHook = Callable[[str, int, "int | None"], None]
+"""``hook(op, rank, step)``: called before every operation of every side group; may raise, block or exit."""
+
+_fault_hook: FaultHook | None = None
+_hook_lock = threading.Lock()
+
+
+def set_fault_hook(hook: FaultHook | None) -> FaultHook | None:
+    """Install (or with None remove) the process-wide fault hook of the side groups; returns the previous one.
+
+    For tests and drills only (:class:`lightning_resilience.testing.faults.FaultPlan` installs it); nothing in the
+    library sets it.
+    """
+    global _fault_hook
+    with _hook_lock:
+        previous, _fault_hook = _fault_hook, hook
+    return previous
+
+
+class CollectiveError(RuntimeError):
+    """An agreement across ranks failed: a peer is gone, crashed, or did not answer in time.
+
+    Every rank that took part gets one (a rank whose peers never came gets it at its deadline), so every rank can
+    take the same way out: the job stops and the launcher restarts it. The side group is unusable afterwards.
+
+    Attributes:
+        op: what was being agreed (``checkpoint.agree``, ``peer.exchange``...).
+        group: the side group's name.
+    """
+
+    def __init__(self, message: str, *, op: str = "", group: str = "") -> None:
+        super().__init__(message)
+        self.op, self.group = op, group
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), str(self), self.op, self.group))
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A peer did not arrive at an agreement within the deadline (hung, far behind, or on another path)."""
+
+
+def _rebuild(cls: type[CollectiveError], message: str, op: str, group: str) -> CollectiveError:
+    return cls(message, op=op, group=group)
+
+
+class Deadline:
+    """A point in time by which something must be done; ``remaining()`` shrinks, and is never negative.
+
+    Args:
+        budget: how long from now; None is unbounded (``remaining()`` is then None).
+        clock: monotonic seconds (injectable).
+    """
+
+    def __init__(self, budget: timedelta | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._end = None if budget is None else clock() + budget.total_seconds()
+
+    def remaining(self) -> timedelta | None:
+        if self._end is None:
+            return None
+        return timedelta(seconds=max(0.0, self._end - self._clock()))
+
+    @property
+    def expired(self) -> bool:
+        left = self.remaining()
+        return left is not None and left <= timedelta(0)
+
+    def bound(self, limit: timedelta) -> timedelta:
+        """The shorter of ``limit`` and what is left."""
+        left = self.remaining()
+        return limit if left is None else min(limit, left)
+
+
+class SideGroup:
+    """A gloo group for small host-side agreements, with a timeout on every wait.
+
+    Creating one is collective when ``torch.distributed`` is initialised with several ranks: every rank of the
+    default group constructs it, in the same order. Without a process group, or with one rank, every operation is
+    the local identity and nothing waits.
+
+    Args:
+        name: label in errors and logs (``checkpoint``, ``peer``, ``policy``...).
+        timeout: bound on every wait (the gloo group's own timeout too).
+        parent: the ranks to span (a process group); default all ranks.
+    """
+
+    def __init__(self, name: str, timeout: timedelta, parent: Any = None) -> None:
+        if timeout <= timedelta(0):
+            raise ValueError(f"{name}: collective timeout must be > 0, got {timeout}")
+        self.name = name
+        self.timeout = timeout
+        self.rank, self.world_size = 0, 1
+        self._group: Any = None
+        self._broken: CollectiveError | None = None
+        if dist.is_available() and dist.is_initialized():
+            self.rank, self.world_size = dist.get_rank(parent), dist.get_world_size(parent)
+            if self.world_size > 1:
+                ranks = dist.get_process_group_ranks(parent) if parent is not None else None
+                self._group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_group"] = None  # a process group belongs to the process that made it
+        return state
+
+    def __repr__(self) -> str:
+        return f"SideGroup({self.name!r}, rank={self.rank}, world_size={self.world_size}, timeout={self.timeout})"
+
+    @property
+    def distributed(self) -> bool:
+        """True when there are peers to agree with."""
+        return self._group is not None
+
+    @property
+    def broken(self) -> bool:
+        """True once an agreement failed: every later call raises at once."""
+        return self._broken is not None
+
+    def global_rank(self, rank: int) -> int:
+        """The default-group rank of group rank ``rank`` (for point-to-point transfers)."""
+        return rank if self._group is None else dist.get_global_rank(self._group, rank)
+
+    # ------------------------------------------------------------------ agreements
+    def all_gather_object(
+        self, obj: Any, *, op: str, step: int | None = None, deadline: Deadline | None = None
+    ) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order."""
+        if not self._enter(op, step):
+            return [obj]
+        timeout = self._bound(op, deadline)
+        data = pickle.dumps(obj)
+        with self._guard(op, timeout):
+            size = torch.tensor([len(data)], dtype=torch.int64)
+            sizes = [torch.empty_like(size) for _ in range(self.world_size)]
+            dist.all_gather(sizes, size, group=self._group, async_op=True).wait(timeout)
+            longest = max(int(s.item()) for s in sizes)
+            buf = torch.zeros(longest, dtype=torch.uint8)
+            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.all_gather(parts, buf, group=self._group, async_op=True).wait(timeout)
+        return [pickle.loads(p[: int(n.item())].numpy().tobytes()) for p, n in zip(parts, sizes)]
+
+    def all_gather_tensor(
+        self, tensor: torch.Tensor, *, op: str, step: int | None = None, deadline: Deadline | None = None
+    ) -> list[torch.Tensor]:
+        """Every rank's CPU ``tensor`` (same shape and dtype on every rank), in rank order."""
+        if not self._enter(op, step):
+            return [tensor]
+        timeout = self._bound(op, deadline)
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        with self._guard(op, timeout):
+            dist.all_gather(parts, tensor, group=self._group, async_op=True).wait(timeout)
+        return parts
+
+    def all_true(self, flag: bool, *, op: str, step: int | None = None, deadline: Deadline | None = None) -> bool:
+        """True if ``flag`` is true on every rank."""
+        return bool(self._reduce(int(bool(flag)), dist.ReduceOp.MIN, op, step, deadline))
+
+    def any_true(self, flag: bool, *, op: str, step: int | None = None, deadline: Deadline | None = None) -> bool:
+        """True if ``flag`` is true on some rank."""
+        return bool(self._reduce(int(bool(flag)), dist.ReduceOp.MAX, op, step, deadline))
+
+    def reduce_max(self, value: int, *, op: str, step: int | None = None, deadline: Deadline | None = None) -> int:
+        """The largest ``value`` of all ranks."""
+        return int(self._reduce(int(value), dist.ReduceOp.MAX, op, step, deadline))
+
+    def reduce_min(self, value: int, *, op: str, step: int | None = None, deadline: Deadline | None = None) -> int:
+        """The smallest ``value`` of all ranks."""
+        return int(self._reduce(int(value), dist.ReduceOp.MIN, op, step, deadline))
+
+    def _reduce(self, value: int, how: Any, op: str, step: int | None, deadline: Deadline | None) -> int:
+        if not self._enter(op, step):
+            return value
+        timeout = self._bound(op, deadline)
+        t = torch.tensor([value], dtype=torch.int64)
+        with self._guard(op, timeout):
+            dist.all_reduce(t, op=how, group=self._group, async_op=True).wait(timeout)
+        return int(t.item())
+
+    # ------------------------------------------------------------------ point to point
+    def exchange(
+        self,
+        payload: bytes | None,
+        *,
+        send_to: Sequence[int],
+        recv_from: Sequence[int],
+        op: str,
+        step: int | None = None,
+        deadline: Deadline | None = None,
+    ) -> list[bytes | None]:
+        """Send ``payload`` (None: "I have nothing", still sent) to each rank of ``send_to`` while receiving one
+        payload from each rank of ``recv_from``; returns what came, in ``recv_from`` order.
+
+        Both sides of every pair must call it with matching lists (``send_to`` of one is ``recv_from`` of the other).
+        Ranks are group ranks.
+        """
+        if not self._enter(op, step):
+            return [None for _ in recv_from]
+        timeout = self._bound(op, deadline)
+        out: list[bytes | None] = []
+        with self._guard(op, timeout):
+            header = torch.tensor([-1 if payload is None else len(payload)], dtype=torch.int64)
+            body = None if not payload else torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            pending = []
+            for dst in send_to:
+                pending.append(dist.isend(header, self.global_rank(dst), group=self._group))
+                if body is not None:
+                    pending.append(dist.isend(body, self.global_rank(dst), group=self._group))
+            for src in recv_from:
+                size = torch.empty(1, dtype=torch.int64)
+                _wait(dist.irecv(size, self.global_rank(src), group=self._group), timeout)
+                n = int(size.item())
+                if n < 0:
+                    out.append(None)
+                    continue
+                buf = torch.empty(n, dtype=torch.uint8)
+                if n:
+                    _wait(dist.irecv(buf, self.global_rank(src), group=self._group), timeout)
+                out.append(buf.numpy().tobytes())
+            for work in pending:
+                _wait(work, timeout)
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _enter(self, op: str, step: int | None) -> bool:
+        """Run the fault hook; False when there is nobody to agree with (the caller returns the local answer)."""
+        hook = _fault_hook
+        if hook is not None:
+            try:
+                hook(op, self.rank, step)
+            except CollectiveError as err:
+                self._broken = err
+                raise
+        if self._broken is not None:
+            raise CollectiveError(
+                f"side group {self.name!r}: {op} not attempted, an earlier agreement failed ({self._broken})",
+                op=op,
+                group=self.name,
+            ) from self._broken
+        return self._group is not None
+
+    def _bound(self, op: str, deadline: Deadline | None) -> timedelta:
+        timeout = self.timeout if deadline is None else deadline.bound(self.timeout)
+        if timeout <= timedelta(0):
+            err = CollectiveTimeoutError(
+                f"side group {self.name!r}: no time left for {op} (deadline passed before it started)",
+                op=op,
+                group=self.name,
+            )
+            self._broken = err  # the peers are waiting in it: they will time out, and so must we from now on
+            raise err
+        return timeout
+
+    @contextlib.contextmanager
+    def _guard(self, op: str, timeout: timedelta) -> Iterator[None]:
+        """Turn what gloo raises into a :class:`CollectiveError` and mark the group broken."""
+        start = time.monotonic()
+        try:
+            yield
+        except CollectiveError:
+            raise
+        except RuntimeError as err:  # gloo: "Operation timed out!", "Connection closed by peer", DistBackendError
+            text = str(err).lower()
+            timed_out = "timed out" in text or "timeout" in text
+            what = (
+                f"no answer within {timeout.total_seconds():g}s"
+                if timed_out
+                else f"a peer failed after {time.monotonic() - start:.1f}s ({type(err).__name__}: "
+                f"{str(err).splitlines()[0][:200]})"
+            )
+            failure = (CollectiveTimeoutError if timed_out else CollectiveError)(
+                f"side group {self.name!r}, rank {self.rank}: {op} failed: {what}; a rank is hung, gone or took "
+                "another path. The job should stop so the launcher can restart it.",
+                op=op,
+                group=self.name,
+            )
+            self._broken = failure
+            log.error("%s", failure)
+            raise failure from err
+
+
+def _wait(work: Any, timeout: timedelta) -> None:
+    if work is not None:  # point-to-point calls return None outside a group the rank belongs to
+        work.wait(timeout)
