@@ -1,18 +1,14 @@
 """LocalTier: checkpoints in a node-local directory, committed by an atomic rename.
 
-Layout (one directory per step, one shard directory per rank)::
-
-    <root>/step_000000000120/rank_00000/{manifest.json, skeleton.json, .metadata, __0_0.distcp}
-    <root>/step_000000000120/.rank_00001.tmp-<id>/      a shard being written: never trusted
+One directory per step, one shard directory per rank (:mod:`lightning_resilience.checkpoint.layout`); a shard is
+written into a private ``.rank_NNNNN.tmp-<id>`` directory and renamed into place.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,17 +17,19 @@ from typing import Any
 from lightning_resilience._configurable import ConfigError, config_from_args
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.format import check_identity, fsync_dir, read_shard, write_shard
+from lightning_resilience.checkpoint.layout import (
+    is_leftover_of,
+    leftover_name,
+    rank_dirname,
+    step_dirname,
+    step_dirs,
+)
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tier import TierIdentity, check_cadence
 
-__all__ = ["LocalTier", "step_dirname"]
+__all__ = ["LocalTier", "step_dirname"]  # step_dirname: its old home, kept importable
 
 log = logging.getLogger(__name__)
-_STEP_RE = re.compile(r"^step_(\d{12})$")
-
-
-def step_dirname(step: int) -> str:
-    return f"step_{step:012d}"
 
 
 class LocalTier:
@@ -86,7 +84,7 @@ class LocalTier:
 
     @property
     def _rank_name(self) -> str:
-        return f"rank_{self._identity.rank:05d}"
+        return rank_dirname(self._identity.rank)
 
     def bind(self, identity: TierIdentity) -> None:
         self._identity = identity
@@ -119,7 +117,7 @@ class LocalTier:
         rank_name = rank_name or self._rank_name
         step_dir = self.root / step_dirname(step)
         step_dir.mkdir(parents=True, exist_ok=True)
-        tmp = step_dir / f".{rank_name}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp = step_dir / leftover_name(rank_name, "tmp")
         final = step_dir / rank_name
         try:
             fill(tmp)
@@ -142,14 +140,7 @@ class LocalTier:
         return snap
 
     def list_steps(self) -> list[int]:
-        if not self.root.is_dir():
-            return []
-        steps = []
-        for entry in self.root.iterdir():
-            match = _STEP_RE.match(entry.name)
-            if match and (entry / self._rank_name).is_dir():
-                steps.append(int(match.group(1)))
-        return sorted(steps)
+        return [step for step, path in step_dirs(self.root).items() if (path / self._rank_name).is_dir()]
 
     def delete(self, step: int) -> None:
         step_dir = self.root / step_dirname(step)
@@ -163,18 +154,17 @@ class LocalTier:
 
     def _discard(self, shard: Path) -> None:
         # rename first: a reader never sees a committed shard with files missing
-        doomed = shard.parent / f".{shard.name}.del-{uuid.uuid4().hex[:12]}"
+        doomed = shard.parent / leftover_name(shard.name, "del")
         os.replace(shard, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
 
     def _remove_stale_temporaries(self) -> None:
-        if not self.root.is_dir():
-            return
-        prefixes = (f".{self._rank_name}.tmp-", f".{self._rank_name}.del-")
-        for step_dir in self.root.iterdir():
-            if not _STEP_RE.match(step_dir.name) or not step_dir.is_dir():
-                continue
+        self._remove_leftovers(self._rank_name)
+
+    def _remove_leftovers(self, rank_name: str) -> None:
+        """Private directories of shard ``rank_name`` that an earlier process left half-written or half-deleted."""
+        for step_dir in step_dirs(self.root).values():
             for entry in step_dir.iterdir():
-                if entry.name.startswith(prefixes):
+                if is_leftover_of(entry.name, rank_name):
                     log.info("removing an uncommitted checkpoint left by an earlier run: %s", entry)
                     shutil.rmtree(entry, ignore_errors=True)

@@ -39,7 +39,7 @@ from fsspec.asyn import AsyncFileSystem, sync
 from lightning_resilience._configurable import ConfigError, config_from_args
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.format import MANIFEST, Manifest, check_identity, read_shard, write_shard
-from lightning_resilience.checkpoint.local import step_dirname
+from lightning_resilience.checkpoint.layout import rank_dirname, step_dirname, step_of_entry
 from lightning_resilience.checkpoint.remote_faults import RemoteFault, RemoteTierError, classify_error
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tier import TierIdentity, check_cadence
@@ -49,7 +49,6 @@ __all__ = ["RemoteFault", "RemoteTier", "RemoteTierError", "classify_error"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_STEP_RE = re.compile(r"^step_(\d{12})$")
 # a file named by a manifest must be a plain name: it becomes both an object key and a local path on download
 _SAFE_NAME_RE = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9_.\-]{1,255}$")
 # stores whose "directories" are key prefixes: nothing to create, and makedirs() on them may create a bucket
@@ -163,7 +162,7 @@ class RemoteTier:
     # ------------------------------------------------------------------ layout
     @property
     def _rank_name(self) -> str:
-        return f"rank_{self._identity.rank:05d}"
+        return rank_dirname(self._identity.rank)
 
     def shard_path(self, step: int) -> str:
         """The shard's prefix in the filesystem's own notation (no protocol)."""
@@ -297,10 +296,9 @@ class RemoteTier:
             return []  # nothing written yet: on object stores an empty prefix does not exist
         steps = []
         for entry in entries:
-            match = _STEP_RE.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
-            if match is None:
+            step = step_of_entry(entry)
+            if step is None:
                 continue
-            step = int(match.group(1))
             if self._exists(f"{self.shard_path(step)}/{MANIFEST}", attempts):
                 steps.append(step)
         return sorted(steps)
@@ -313,10 +311,10 @@ class RemoteTier:
         except FileNotFoundError:
             return
         for entry in entries:
-            match = _STEP_RE.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
-            if match is None:
+            step = step_of_entry(entry)
+            if step is None:
                 continue
-            shard = self.shard_path(int(match.group(1)))
+            shard = self.shard_path(step)
             if not self._exists(f"{shard}/{MANIFEST}", 1) and self._find(shard, 1):
                 log.info("tiers.%s: removing an uncommitted shard left by an earlier run: %s", self.name, shard)
                 self._clear(shard, what="remove an uncommitted shard", attempts=1)

@@ -28,8 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import shutil
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -41,15 +39,14 @@ import torch.distributed as dist
 from lightning_resilience._configurable import ConfigError
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.format import MANIFEST, write_synced
-from lightning_resilience.checkpoint.local import LocalTier, step_dirname
+from lightning_resilience.checkpoint.layout import rank_dirname, rank_dirs, step_dirname, step_dirs
+from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tier import TierIdentity
 
 __all__ = ["PLACEMENTS", "PeerTier", "ReplicaPlacement", "default_peer_path"]
 
 log = logging.getLogger(__name__)
-_RANK_RE = re.compile(r"^rank_(\d{5})$")
-_STEP_RE = re.compile(r"^step_(\d{12})$")
 
 
 def default_peer_path() -> str:
@@ -197,7 +194,7 @@ class PeerTier(LocalTier):
             self._group = dist.new_group(backend="gloo", timeout=self.timeout)
         super().bind(identity)
         for source in self.placement.sources(identity.rank):
-            self._remove_stale(f"rank_{source:05d}")
+            self._remove_leftovers(rank_dirname(source))
 
     # ------------------------------------------------------------------ write
     def write(self, snap: StagedSnapshot) -> None:
@@ -243,41 +240,26 @@ class PeerTier(LocalTier):
         return data
 
     def _commit_replica(self, step: int, owner: int, payload: bytes) -> None:
-        self._commit(step, lambda tmp: _unpack(payload, tmp), rank_name=f"rank_{owner:05d}")
+        self._commit(step, lambda tmp: _unpack(payload, tmp), rank_name=rank_dirname(owner))
 
     # --------------------------------------------------------------- retention
     def delete(self, step: int) -> None:
         """Remove our shard of ``step`` and the replicas we hold for it (retention is agreed by all ranks)."""
         for source in self.placement.sources(self._identity.rank):
-            shard = self.root / step_dirname(step) / f"rank_{source:05d}"
+            shard = self.root / step_dirname(step) / rank_dirname(source)
             if shard.exists():
                 self._discard(shard)
         super().delete(step)
-
-    def _remove_stale(self, rank_name: str) -> None:
-        if not self.root.is_dir():
-            return
-        for step_dir in self.root.iterdir():
-            if _STEP_RE.match(step_dir.name) and step_dir.is_dir():
-                for entry in step_dir.iterdir():
-                    if entry.name.startswith((f".{rank_name}.tmp-", f".{rank_name}.del-")):
-                        shutil.rmtree(entry, ignore_errors=True)
 
     # ----------------------------------------------------------------- restore
     def inventory(self) -> dict[int, list[int]]:
         """Committed shards in this node's directory: owner rank -> steps."""
         held: dict[int, list[int]] = {}
-        if not self.root.is_dir():
-            return held
-        for step_dir in self.root.iterdir():
-            step_match = _STEP_RE.match(step_dir.name)
-            if not step_match or not step_dir.is_dir():
-                continue
-            for shard in step_dir.iterdir():
-                rank_match = _RANK_RE.match(shard.name)
-                if rank_match and (shard / MANIFEST).is_file():
-                    held.setdefault(int(rank_match.group(1)), []).append(int(step_match.group(1)))
-        return {owner: sorted(steps) for owner, steps in held.items()}
+        for step, step_dir in step_dirs(self.root).items():
+            for owner, shard in rank_dirs(step_dir).items():
+                if (shard / MANIFEST).is_file():
+                    held.setdefault(owner, []).append(step)
+        return held
 
     def prepare_restore(self) -> list[int]:
         """Collective: bring every rank its shards of the steps that the surviving nodes hold in full.
@@ -325,7 +307,7 @@ class PeerTier(LocalTier):
 
     def _packed(self, step: int, owner: int) -> bytes | None:
         try:
-            return _pack(self.root / step_dirname(step) / f"rank_{owner:05d}")
+            return _pack(self.root / step_dirname(step) / rank_dirname(owner))
         except (OSError, CheckpointCorruptError) as err:
             log.warning("cannot send the shard of rank %d step %d: %s", owner, step, err)
             return None

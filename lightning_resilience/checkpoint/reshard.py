@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +57,7 @@ from lightning_resilience.checkpoint.format import (
     read_manifest,
     validate_shard,
 )
-from lightning_resilience.checkpoint.local import step_dirname
+from lightning_resilience.checkpoint.layout import rank_dirname, rank_dirs, step_dirname, step_dirs
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tier import TierIdentity
 from lightning_resilience.checkpoint.tree import DTensorRebuilder, unflatten_state
@@ -78,8 +77,6 @@ __all__ = [
 ]
 
 _DCP_METADATA = ".metadata"
-_RANK_RE = re.compile(r"^rank_(\d{5})$")
-_STEP_RE = re.compile(r"^step_(\d{12})$")
 
 
 class ReshardError(CheckpointCorruptError):
@@ -125,7 +122,7 @@ class ReshardPlan:
         return new_rank % self.old_world_size
 
     def shard_dir(self, rank: int) -> Path:
-        return self.step_dir / f"rank_{rank:05d}"
+        return self.step_dir / rank_dirname(rank)
 
     def target_coord(self, entry: ShardedEntry, new_rank: int) -> tuple[int, ...]:
         return _unravel(new_rank, entry.target_mesh_shape)
@@ -216,12 +213,7 @@ def _target_mesh_shape(name: str, mesh_shape: tuple[int, ...], new_world_size: i
 def _rank_dirs(step_dir: Path) -> dict[int, Path]:
     if not step_dir.is_dir():
         raise ReshardError(f"{step_dir}: no such step directory")
-    found = {}
-    for entry in step_dir.iterdir():
-        match = _RANK_RE.match(entry.name)
-        if match and entry.is_dir():
-            found[int(match.group(1))] = entry
-    return found
+    return rank_dirs(step_dir)
 
 
 def _read_skeleton(shard: Path, manifest: Manifest) -> Any:
@@ -630,21 +622,15 @@ def restore_resharded(
 def reshardable_steps(tier_root: str | Path, world_size: int) -> list[int]:
     """Steps under ``tier_root`` whose rank-0 shard was written by a job of another world size (cheap: one manifest
     per step; :func:`plan_reshard` checks the rest). Oldest first."""
-    root = Path(tier_root)
-    if not root.is_dir():
-        return []
     steps = []
-    for entry in root.iterdir():
-        match = _STEP_RE.match(entry.name)
-        if not match:
-            continue
+    for step, step_dir in step_dirs(Path(tier_root)).items():
         try:
-            manifest = read_manifest(entry / "rank_00000")
+            manifest = read_manifest(step_dir / rank_dirname(0))
         except CheckpointCorruptError:
             continue
         if manifest.world_size != world_size:
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+            steps.append(step)
+    return steps
 
 
 def restore_resharded_agreed(

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.format import fsync_dir, read_shard, write_shard
+from lightning_resilience.checkpoint.layout import leftover_name, rank_dirname
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tree import DTensorRebuilder, flatten_state, unflatten_state
 
@@ -21,7 +21,7 @@ __all__ = ["is_checkpoint_dir", "load_checkpoint_dir", "remove_checkpoint_dir", 
 
 
 def _shard(path: Path, rank: int) -> Path:
-    return path / f"rank_{rank:05d}"
+    return path / rank_dirname(rank)
 
 
 def save_checkpoint_dir(path: str | os.PathLike[str], state: Any, *, step: int, rank: int, world_size: int) -> None:
@@ -30,7 +30,7 @@ def save_checkpoint_dir(path: str | os.PathLike[str], state: Any, *, step: int, 
     root.mkdir(parents=True, exist_ok=True)
     flat = flatten_state(state)
     snap = StagedSnapshot(step, flat.skeleton, {n: t.detach().cpu() for n, t in flat.tensors.items()})
-    tmp = root / f".rank_{rank:05d}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp = root / leftover_name(rank_dirname(rank), "tmp")
     final = _shard(root, rank)
     try:
         write_shard(tmp, snap, rank=rank, world_size=world_size, rank_layout={"rank": rank, "world_size": world_size})
@@ -60,14 +60,14 @@ def load_checkpoint_dir(
 
 
 def is_checkpoint_dir(path: str | os.PathLike[str]) -> bool:
-    return (Path(path) / "rank_00000").is_dir()
+    return (Path(path) / rank_dirname(0)).is_dir()
 
 
 def remove_checkpoint_dir(path: str | os.PathLike[str], *, rank: int, keep_root: bool = False) -> None:
     root = Path(path)
     shard = _shard(root, rank)
     if shard.exists():
-        doomed = root / f".rank_{rank:05d}.del-{uuid.uuid4().hex[:12]}"
+        doomed = root / leftover_name(rank_dirname(rank), "del")
         os.replace(shard, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
     if not keep_root:

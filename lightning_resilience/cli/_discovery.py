@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
+from lightning_resilience.checkpoint.layout import parse_rank, parse_step, rank_dirs, step_dirs
 from lightning_resilience.cli._common import CliError
 
-__all__ = ["STEP_RE", "ShardRef", "discover", "one_shard", "select"]
-
-STEP_RE = re.compile(r"^step_(\d+)$")
-_RANK_RE = re.compile(r"^rank_(\d+)$")
+__all__ = ["ShardRef", "discover", "one_shard", "select"]
 _SEARCH_DEPTH = 4
 
 
@@ -32,8 +29,8 @@ class ShardRef:
 
 
 def _rank_of(path: Path) -> int:
-    match = _RANK_RE.match(path.name)
-    return int(match.group(1)) if match else -1
+    rank = parse_rank(path.name)
+    return -1 if rank is None else rank
 
 
 def _step_from_manifest(shard: Path) -> int:
@@ -45,24 +42,18 @@ def _step_from_manifest(shard: Path) -> int:
         return -1
 
 
-def _ranks(step_dir: Path) -> list[Path]:
-    return sorted(p for p in step_dir.iterdir() if p.is_dir() and _RANK_RE.match(p.name))
-
-
 def _tier_shards(root: Path, label: str) -> Iterator[ShardRef]:
-    for step_dir in sorted(root.iterdir()):
-        match = STEP_RE.match(step_dir.name)
-        if match and step_dir.is_dir():
-            for shard in _ranks(step_dir):
-                yield ShardRef(label, root, int(match.group(1)), _rank_of(shard), shard)
+    for step, step_dir in step_dirs(root).items():
+        for rank, shard in rank_dirs(step_dir).items():
+            yield ShardRef(label, root, step, rank, shard)
 
 
 def _is_tier_root(path: Path) -> bool:
-    return any(STEP_RE.match(p.name) and p.is_dir() for p in path.iterdir())
+    return bool(step_dirs(path))
 
 
 def _is_standalone(path: Path) -> bool:
-    return any(_RANK_RE.match(p.name) and p.is_dir() for p in path.iterdir())
+    return bool(rank_dirs(path))
 
 
 def discover(path: Path) -> list[ShardRef]:
@@ -72,12 +63,12 @@ def discover(path: Path) -> list[ShardRef]:
         raise CliError(f"{path} does not exist")
     if not path.is_dir():
         raise CliError(f"{path} is not a directory")
-    if _RANK_RE.match(path.name):
-        step_match = STEP_RE.match(path.parent.name)
-        step = int(step_match.group(1)) if step_match else _step_from_manifest(path)
-        root = path.parent.parent if step_match else path.parent
+    if parse_rank(path.name) is not None:
+        parent_step = parse_step(path.parent.name)
+        step = _step_from_manifest(path) if parent_step is None else parent_step
+        root = path.parent.parent if parent_step is not None else path.parent
         return [ShardRef(root.name, root, step, _rank_of(path), path)]
-    if STEP_RE.match(path.name):
+    if parse_step(path.name) is not None:
         return [s for s in _tier_shards(path.parent, path.parent.name) if s.path.parent == path]
     found: list[ShardRef] = []
 
@@ -87,8 +78,8 @@ def discover(path: Path) -> list[ShardRef]:
             found.extend(_tier_shards(directory, label))
             return
         if _is_standalone(directory):
-            for shard in _ranks(directory):
-                found.append(ShardRef(label, directory, _step_from_manifest(shard), _rank_of(shard), shard))
+            for rank, shard in rank_dirs(directory).items():
+                found.append(ShardRef(label, directory, _step_from_manifest(shard), rank, shard))
             return
         if depth < _SEARCH_DEPTH:
             for child in sorted(directory.iterdir()):

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
+from lightning_resilience.checkpoint.layout import parse_step, step_dirname
 from lightning_resilience.cli._common import CliError, console, non_negative, progress
-from lightning_resilience.cli._discovery import STEP_RE, ShardRef, discover, one_shard, select
+from lightning_resilience.cli._discovery import ShardRef, discover, one_shard, select
 
 __all__ = ["add_parsers", "cmd_export", "cmd_inspect", "cmd_ls", "cmd_verify"]
 
@@ -104,14 +105,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
             bar.update(task, description=f"verifying {s.tier} step {s.step} rank {s.rank}")
             try:
                 m = validate_shard(s.path)
-                if m.rank != s.rank or (s.step >= 0 and STEP_RE.match(s.path.parent.name) and m.step != s.step):
+                if m.rank != s.rank or (
+                    s.step >= 0 and parse_step(s.path.parent.name) is not None and m.step != s.step
+                ):
                     raise CheckpointCorruptError(
                         f"{s.path}: manifest is for step {m.step} rank {m.rank}, the directory says "
                         f"step {s.step} rank {s.rank}"
                     )
                 base = m.meta.get(DELTA_OF)
                 if base is not None:
-                    base_shard = s.root / f"step_{int(base):012d}" / s.path.name
+                    base_shard = s.root / step_dirname(int(base)) / s.path.name
                     if not (base_shard / "manifest.json").is_file():
                         raise CheckpointCorruptError(f"{s.path}: delta against full step {base}, which is missing")
                 seen = worlds.setdefault((s.tier, s.step), (set(), set()))
@@ -195,7 +198,7 @@ def _read_state(shard: ShardRef) -> tuple[dict[str, Any], int]:
     from lightning_resilience.checkpoint.tree import unflatten_state
 
     manifest = read_manifest(shard.path)
-    if STEP_RE.match(shard.path.parent.name):
+    if parse_step(shard.path.parent.name) is not None:
         tier = DeltaLocalTier(shard.root, every_n_steps=1, keep=1, name=shard.tier)
         tier.bind_for_reading(TierIdentity(manifest.rank, manifest.world_size))
         snap = tier.read(shard.step)

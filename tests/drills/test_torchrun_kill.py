@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import socket
 import subprocess
 import sys
@@ -20,6 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_resilience.checkpoint.layout import parse_rank, parse_step
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "drills" / "_train_script.py"
 STEPS = 20
@@ -27,7 +28,6 @@ WORLD_SIZE = 2
 PERSIST_EVERY = 5  # the LocalTier cadence of the script
 TORCHRUN_TIMEOUT_S = 120
 DRILL_SEED = int(os.environ.get("DRILL_SEED", "20241130"))
-_SHARD_RE = re.compile(r"^rank_(\d{5})$")
 
 pytestmark = pytest.mark.slow
 
@@ -71,11 +71,13 @@ def _reports(run_dir: Path) -> dict[tuple[int, int], dict[str, Any]]:
 
 def _committed(entries: dict[str, list[str]]) -> set[int]:
     """Ranks whose shard of one step is committed (renamed into place); temporaries are not."""
-    return {int(m.group(1)) for name in entries if (m := _SHARD_RE.match(name))}
+    return {rank for name in entries if (rank := parse_rank(name)) is not None}
 
 
 def _step(name: str) -> int:
-    return int(name.removeprefix("step_"))
+    step = parse_step(name)
+    assert step is not None, f"{name} is not a step directory"
+    return step
 
 
 def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
