@@ -23,6 +23,9 @@ Tests and drills inject faults with :func:`set_fault_hook` (see :mod:`lightning_
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
+import io
 import logging
 import pickle
 import threading
@@ -118,6 +121,11 @@ class Deadline:
         left = self.remaining()
         return limit if left is None else min(limit, left)
 
+    def check(self, what: str) -> None:
+        """Raise :class:`TimeoutError` (an ``OSError``: a failed write, not a crash) once the deadline passed."""
+        if self.expired:
+            raise TimeoutError(f"{what}: deadline passed before it could start")
+
 
 class SideGroup:
     """A gloo group for small host-side agreements, with a timeout on every wait.
@@ -130,9 +138,11 @@ class SideGroup:
         name: label in errors and logs (``checkpoint``, ``peer``, ``policy``...).
         timeout: bound on every wait (the gloo group's own timeout too).
         parent: the ranks to span (a process group); default all ranks.
+        local: a group of this rank alone, whatever the process group (not collective: e.g. a component not yet
+            set up).
     """
 
-    def __init__(self, name: str, timeout: timedelta, parent: Any = None) -> None:
+    def __init__(self, name: str, timeout: timedelta, parent: Any = None, *, local: bool = False) -> None:
         if timeout <= timedelta(0):
             raise ValueError(f"{name}: collective timeout must be > 0, got {timeout}")
         self.name = name
@@ -140,7 +150,7 @@ class SideGroup:
         self.rank, self.world_size = 0, 1
         self._group: Any = None
         self._broken: CollectiveError | None = None
-        if dist.is_available() and dist.is_initialized():
+        if not local and dist.is_available() and dist.is_initialized():
             self.rank, self.world_size = dist.get_rank(parent), dist.get_world_size(parent)
             if self.world_size > 1:
                 ranks = dist.get_process_group_ranks(parent) if parent is not None else None
@@ -172,7 +182,8 @@ class SideGroup:
     def all_gather_object(
         self, obj: Any, *, op: str, step: int | None = None, deadline: Deadline | None = None
     ) -> list[Any]:
-        """Every rank's ``obj`` (picklable), in rank order."""
+        """Every rank's ``obj``, in rank order: built-in values and containers, and dataclasses and enums of this
+        package (nothing else is unpickled; tensors go through :meth:`all_gather_tensor`)."""
         if not self._enter(op, step):
             return [obj]
         timeout = self._bound(op, deadline)
@@ -186,7 +197,9 @@ class SideGroup:
             buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
             dist.all_gather(parts, buf, group=self._group, async_op=True).wait(timeout)
-        return [pickle.loads(p[: int(n.item())].numpy().tobytes()) for p, n in zip(parts, sizes)]
+        return [
+            _AgreementUnpickler(io.BytesIO(p[: int(n.item())].numpy().tobytes())).load() for p, n in zip(parts, sizes)
+        ]
 
     def all_gather_tensor(
         self, tensor: torch.Tensor, *, op: str, step: int | None = None, deadline: Deadline | None = None
@@ -325,6 +338,28 @@ class SideGroup:
             self._broken = failure
             log.error("%s", failure)
             raise failure from err
+
+
+class _AgreementUnpickler(pickle.Unpickler):
+    """What a peer sends is unpickled as plain values only: built-in scalars and containers, and the dataclasses and
+    enums of this package; any other global (a function, a class of another package) is refused."""
+
+    _BUILTINS = frozenset({"set", "frozenset", "complex", "range", "slice", "bytearray"})
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name in self._BUILTINS:
+            return super().find_class(module, name)
+        if module == "collections" and name == "OrderedDict":
+            return super().find_class(module, name)
+        if module.split(".")[0] == "lightning_resilience" and "." not in name:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+                return obj
+        raise pickle.UnpicklingError(f"a side-group agreement may not carry {module}.{name}")
+
+
+def _unpickle(data: bytes) -> Any:
+    return _AgreementUnpickler(io.BytesIO(data)).load()
 
 
 def _wait(work: Any, timeout: timedelta) -> None:
