@@ -1,9 +1,14 @@
-"""A DataLoader that remembers its position inside an epoch, so a resumed run sees exactly the same batches.
+"""The position of a DataLoader inside its epoch, saved and restored so a resumed run sees exactly the same batches.
 
-It implements the ``state_dict`` / ``load_state_dict`` protocol that Lightning's fit loop saves and restores for
-stateful dataloaders. Exactness across the epoch boundary needs the shuffle order to be reproducible: the loader
-records the global torch RNG state at the start of each epoch, and on resume replays the epoch start from it and
-skips the batches already consumed, then puts the caller's RNG state back. No RNG draw is added or lost.
+:class:`LoaderCursor` attaches to any map-style ``DataLoader`` (whatever its sampler: ``DistributedSampler``,
+``RandomSampler``, ``SequentialSampler``, a custom batch sampler) by replacing its index sampler with a
+:class:`~lightning_resilience.checkpoint.data_position.ResumableBatchSampler`. Its state is the number of batches
+the training consumed in the open epoch plus what fixed that epoch's order and worker seeds; loading it makes the
+loader's next iteration start at the next batch, skipping at the level of indices, so resuming costs the same at
+batch 10 and at batch 10^6. :class:`~lightning_resilience.TieredCheckpoint` attaches a cursor to each map-style
+train loader Lightning builds; :class:`ResumableDataLoader` is the same mechanism as a ``DataLoader`` subclass, for
+use without that callback (it implements the ``state_dict`` / ``load_state_dict`` protocol that Lightning's fit
+loop saves for stateful loaders).
 
 Elastic restarts: when the job comes back with another number of data-parallel ranks, the position is remapped.
 A ``DistributedSampler`` deals the epoch's permutation out round-robin, so after ``k`` batches on each of ``N``
@@ -19,102 +24,155 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
-__all__ = ["ResumableDataLoader"]
+from lightning_resilience.checkpoint.data_position import EpochStart, ResumableBatchSampler
+
+__all__ = ["LoaderCursor", "ResumableDataLoader", "is_map_style"]
 
 log = logging.getLogger(__name__)
 
 
-class ResumableDataLoader(DataLoader):
-    """Drop-in :class:`torch.utils.data.DataLoader` whose position inside an epoch can be saved and restored.
+def is_map_style(loader: Any) -> bool:
+    """A ``DataLoader`` over an indexable dataset: its order comes from a sampler a cursor can take over."""
+    return isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset)
 
-    The dataset must be map-style or otherwise sized (an unsized loader is prefetched by Lightning, so its count
-    would run one batch ahead). Skipping on resume fetches the skipped batches, so worker-side randomness stays
-    exact as well.
+
+def _generators(loader: DataLoader) -> list[torch.Generator]:
+    """The loader's own generators its epoch order can draw from (the global one is captured separately)."""
+    found: dict[int, torch.Generator] = {}
+    batch_sampler = loader.batch_sampler
+    for obj in (loader, loader.sampler, batch_sampler, getattr(batch_sampler, "sampler", None)):
+        gen = getattr(obj, "generator", None)
+        if isinstance(gen, torch.Generator) and gen.device.type == "cpu":
+            found[id(gen)] = gen
+    return list(found.values())
+
+
+class LoaderCursor:
+    """Takes over one map-style DataLoader's index sampler and knows where its epoch stands.
+
+    Args:
+        loader: a ``DataLoader`` over a map-style dataset (after any sampler injection, e.g. Lightning's
+            ``DistributedSampler``).
+        salt: mixed into the per-batch worker seeds (e.g. the global rank).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._yielded = 0
-        self._epoch_rng: torch.Tensor | None = None
-        self._first_rng: torch.Tensor | None = None
-        self._resume: dict[str, Any] | None = None
+    def __init__(self, loader: DataLoader, salt: int = 0) -> None:
+        if not is_map_style(loader):
+            raise TypeError(f"a LoaderCursor needs a DataLoader over a map-style dataset, got {type(loader).__name__}")
+        self.loader = loader
+        batching = loader.batch_sampler is not None
+        self._field = "batch_sampler" if batching else "sampler"
+        self._original = getattr(loader, self._field)
+        self.sampler = ResumableBatchSampler(
+            self._original, _generators(loader), seeded=loader.num_workers > 0, salt=salt
+        )
+        # DataLoader refuses to change its sampler after construction; the loader object stays the user's own
+        object.__setattr__(loader, self._field, self.sampler)
+        self._drop_persistent_iterator()
 
     @property
     def replicas(self) -> int:
         """Data-parallel ranks sharing the epoch (the ``DistributedSampler``'s ``num_replicas``, else 1)."""
-        return int(getattr(self.sampler, "num_replicas", 1) or 1)
+        sampler = self.sampler.sampler if self.sampler.sampler is not None else self._original
+        return int(getattr(sampler, "num_replicas", 1) or 1)
+
+    @property
+    def resuming(self) -> bool:
+        """The next iteration continues a saved epoch."""
+        return self.sampler.resume_position is not None
+
+    def detach(self) -> None:
+        """Give the loader its own index sampler back."""
+        if getattr(self.loader, self._field) is self.sampler:
+            object.__setattr__(self.loader, self._field, self._original)
+            self._drop_persistent_iterator()
+
+    def _drop_persistent_iterator(self) -> None:
+        # persistent workers keep the iterator, and it holds the index sampler it was created with
+        iterator = getattr(self.loader, "_iterator", None)
+        if iterator is not None:
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if callable(shutdown):
+                shutdown()
+            self.loader._iterator = None
+
+    def state_dict(self, consumed: int, epoch_batches: int | None = None) -> dict[str, Any]:
+        """The position after ``consumed`` batches of the current epoch (of ``epoch_batches``, default all)."""
+        epoch = self.sampler.epoch
+        return {
+            "epoch": None if epoch is None else epoch.state_dict(),
+            "position": int(consumed),
+            "length": int(len(self.loader) if epoch_batches is None else epoch_batches),
+            "replicas": self.replicas,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> bool:
+        """Make the loader's next iteration continue the saved epoch; returns whether an epoch is open."""
+        position = int(state.get("position", state.get("yielded", 0)))
+        length = int(state.get("length") or len(self.loader))
+        saved = int(state.get("replicas") or self.replicas)
+        if saved != self.replicas:  # an elastic restart: continue after the samples the old ranks consumed
+            remapped = position * saved // self.replicas
+            log.info(
+                "data position remapped from %d batches on %d ranks to %d batches on %d ranks",
+                position,
+                saved,
+                remapped,
+                self.replicas,
+            )
+            position, length = remapped, length * saved // self.replicas
+        epoch = state.get("epoch")
+        if epoch is None or not 0 <= position < min(length, len(self.loader)):
+            return False  # nothing open: the next iteration is a fresh epoch
+        self.sampler.resume_at(position, EpochStart.from_state(epoch))
+        return True
+
+
+class ResumableDataLoader(DataLoader):
+    """A :class:`torch.utils.data.DataLoader` whose position inside an epoch can be saved and restored.
+
+    :class:`~lightning_resilience.TieredCheckpoint` makes a plain ``DataLoader`` resumable by itself; this class is
+    the same mechanism (a :class:`LoaderCursor`) for use without that callback: Lightning's fit loop saves and
+    restores its ``state_dict`` like any stateful loader. The dataset must be map-style. Skipping on resume
+    happens at the level of indices: nothing skipped is fetched.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._cursor = LoaderCursor(self)
+        self._yielded = 0
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel ranks sharing the epoch (the ``DistributedSampler``'s ``num_replicas``, else 1)."""
+        return self._cursor.replicas
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        resume, self._resume = self._resume, None
-        if resume is not None:
-            yielded = int(resume["yielded"])
-            saved = int(resume.get("replicas") or self.replicas)
-            if saved != self.replicas:  # an elastic restart: continue after the samples the old ranks consumed
-                remapped = yielded * saved // self.replicas
-                log.info(
-                    "data position remapped from %d batches on %d ranks to %d batches on %d ranks",
-                    yielded,
-                    saved,
-                    remapped,
-                    self.replicas,
-                )
-                yielded = remapped
-            if resume["epoch_rng"] is not None and 0 < yielded < len(self):
-                return self._resumed(resume["epoch_rng"], resume["first_rng"], yielded)
-        return self._fresh()
+        return self._batches()
 
-    def _fresh(self) -> Iterator[Any]:
-        # a generator too: resuming at an epoch's end, Lightning calls iter() for the next epoch before the RNG
-        # streams are restored, so the epoch start (and the DataLoader's base-seed draw) waits for the first next()
-        self._epoch_rng, self._first_rng, self._yielded = torch.get_rng_state(), None, 0
-        yield from self._counting(super().__iter__())
-
-    def _resumed(self, epoch_rng: torch.Tensor, first_rng: torch.Tensor | None, skip: int) -> Iterator[Any]:
-        # a generator: nothing runs before the first next(), i.e. after Lightning has set the sampler's epoch
-        current = torch.get_rng_state()
-        try:
-            torch.set_rng_state(epoch_rng)
+    def _batches(self) -> Iterator[Any]:
+        # a generator: the epoch starts at the first next(), after Lightning has set the sampler's epoch and, at
+        # an epoch-end resume, after the checkpoint's RNG streams are back
+        position = self._cursor.sampler.resume_position
+        if position is not None:
+            current = torch.get_rng_state()
+            try:  # creating the iterator draws its base seed: the interrupted epoch drew it long ago
+                inner = super().__iter__()
+            finally:
+                torch.set_rng_state(current)
+        else:
             inner = super().__iter__()
-            if first_rng is not None:
-                torch.set_rng_state(first_rng)
-            for _ in range(skip):  # replays the draws the interrupted epoch made
-                next(inner)
-        finally:
-            torch.set_rng_state(current)
-        self._epoch_rng, self._first_rng, self._yielded = epoch_rng, first_rng, skip
-        yield from self._counting(inner)
-
-    def _counting(self, inner: Iterator[Any]) -> Iterator[Any]:
-        while True:
-            if self._first_rng is None:  # samplers draw their shuffle seed lazily, at the first batch
-                self._first_rng = torch.get_rng_state()
-            try:
-                batch = next(inner)
-            except StopIteration:
-                return
+        self._yielded = position or 0
+        for batch in inner:
             self._yielded += 1
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        """RNG states at the epoch's start and first batch, and the number of batches handed out this epoch."""
-        return {
-            "epoch_rng": None if self._epoch_rng is None else self._epoch_rng.clone(),
-            "first_rng": None if self._first_rng is None else self._first_rng.clone(),
-            "yielded": self._yielded,
-            "replicas": self.replicas,
-        }
+        """The epoch's start (generator states and worker seed) and the number of batches handed out in it."""
+        return self._cursor.state_dict(self._yielded)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Make the next ``iter()`` continue the saved epoch where it stopped."""
-
-        def as_state(value: Any) -> torch.Tensor | None:
-            return None if value is None else torch.as_tensor(value, dtype=torch.uint8).clone()
-
-        self._resume = {
-            "epoch_rng": as_state(state_dict.get("epoch_rng")),
-            "first_rng": as_state(state_dict.get("first_rng")),
-            "yielded": int(state_dict.get("yielded", 0)),
-            "replicas": state_dict.get("replicas"),
-        }
+        self._cursor.load_state_dict(state_dict)

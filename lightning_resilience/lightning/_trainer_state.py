@@ -7,11 +7,24 @@ Lightning upgrade touches one place (checked against Lightning 2.4 to 2.6).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import lightning
 from lightning.pytorch import Trainer
 
-__all__ = ["dump_trainer_state", "restore_trainer_state"]
+# Lightning 2.5 learned to restart from a checkpoint taken in ``on_train_batch_end``; earlier versions (NeMo pins 2.4)
+# restart such a batch as if it had not been consumed
+_LIGHTNING_BEFORE_2_5 = tuple(int(p) for p in lightning.__version__.split(".")[:2]) < (2, 5)
+
+__all__ = [
+    "consumed_batches",
+    "dump_trainer_state",
+    "epoch_batches",
+    "restart_train_iterator",
+    "restore_trainer_state",
+    "train_loaders",
+]
 
 
 def dump_trainer_state(trainer: Trainer) -> dict[str, Any]:
@@ -26,7 +39,7 @@ def restore_trainer_state(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     precision plugin, loops, optimizers and schedulers.
     """
     connector = trainer._checkpoint_connector
-    connector._loaded_checkpoint = checkpoint
+    connector._loaded_checkpoint = _batch_completed(checkpoint) if _LIGHTNING_BEFORE_2_5 else checkpoint
     try:
         connector.restore_datamodule()
         connector.restore_model()
@@ -34,3 +47,57 @@ def restore_trainer_state(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
         connector.restore_training_state()
     finally:
         connector._loaded_checkpoint = {}
+
+
+def _batch_completed(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` with the batch its snapshot was taken in (``on_train_batch_end``) counted as completed.
+
+    Lightning < 2.5 resets the batch progress to its ``completed`` count on restart, one short for such a
+    snapshot: it would count the consumed batch again (off-by-one ``batch_idx``, accumulation boundaries, epoch end).
+    """
+    fit = checkpoint.get("loops", {}).get("fit_loop")
+    progress = None if fit is None else fit.get("epoch_loop.batch_progress")
+    if progress is None or any(progress[k]["completed"] != progress[k]["processed"] - 1 for k in ("total", "current")):
+        return checkpoint
+    bumped = {k: {**progress[k], "completed": progress[k]["processed"]} for k in ("total", "current")}
+    loops = {**checkpoint["loops"], "fit_loop": {**fit, "epoch_loop.batch_progress": {**progress, **bumped}}}
+    return {**checkpoint, "loops": loops}
+
+
+def train_loaders(trainer: Trainer) -> list[Any]:
+    """The train dataloaders as the fit loop iterates them (after Lightning injected its sampler); [] before."""
+    combined = trainer.fit_loop._combined_loader
+    return [] if combined is None else list(combined.flattened)
+
+
+def restart_train_iterator(trainer: Trainer, indices: list[int], create: Callable[[Any], Any] = iter) -> None:
+    """Create the iterators of train loaders ``indices`` anew with ``create`` (their samplers changed after
+    ``setup_data``, which creates the train iterator before any callback hook can act).
+
+    Only the named loaders' iterators are replaced, so a stateful loader that already loaded its position keeps it;
+    when the fetcher has prefetched a batch (loaders without a length) the whole iterator is created anew, as its
+    epoch start does.
+    """
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is None or not indices:
+        return
+    combined = fetcher.combined_loader
+    mode_iterator = combined._iterator
+    if mode_iterator is None or getattr(fetcher, "batches", None):
+        combined.reset()
+        iter(fetcher)
+        return
+    for i in indices:
+        mode_iterator.iterators[i] = create(combined.flattened[i])  # the old one shuts its workers down when dropped
+
+
+def consumed_batches(trainer: Trainer) -> int:
+    """Batches of the current epoch that training has consumed (the batch progress Lightning restores with its
+    loops): not what the iterator handed out, which for loaders without a length runs one batch ahead."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+
+
+def epoch_batches(trainer: Trainer) -> int | None:
+    """Batches an epoch of training takes (``limit_train_batches`` applied); None when unknown."""
+    n = trainer.num_training_batches
+    return None if n == float("inf") else int(n)

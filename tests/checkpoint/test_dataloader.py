@@ -82,7 +82,7 @@ def test_resume_yields_exactly_the_remaining_batches(consumed: int) -> None:
     it = iter(original)
     head = [next(it) for _ in range(consumed)]
     state = _through_checkpoint(original.state_dict())
-    assert state["yielded"] == consumed
+    assert state["position"] == consumed
     rest = list(it)
     assert len(head) + len(rest) == len(original) == 7
     assert sorted(i for b in _as_lists(head + rest) for i in b) == list(range(N))  # a real shuffled epoch
@@ -97,7 +97,7 @@ def test_resume_yields_exactly_the_remaining_batches(consumed: int) -> None:
     assert torch.equal(torch.get_rng_state(), before)
     assert _as_lists(got) == _as_lists(rest)
     # the resumed loader keeps counting from where the original stopped
-    assert resumed.state_dict()["yielded"] == len(resumed)
+    assert resumed.state_dict()["position"] == len(resumed)
 
 
 def test_resumed_state_dict_can_be_resumed_again() -> None:
@@ -119,7 +119,7 @@ def test_resumed_state_dict_can_be_resumed_again() -> None:
     it2 = iter(second)
     assert _as_lists([next(it2), next(it2)]) == full[2:4]
     state_4 = _through_checkpoint(second.state_dict())
-    assert state_4["yielded"] == 4
+    assert state_4["position"] == 4
 
     _scramble_global_rng()
     third = ResumableDataLoader(_Indices(), batch_size=BATCH, shuffle=True)
@@ -185,9 +185,9 @@ def test_state_without_an_open_epoch_starts_fresh(saved: str) -> None:
     if saved == "end_of_epoch":
         torch.manual_seed(8)
         list(source)
-        assert source.state_dict()["yielded"] == len(source)
+        assert source.state_dict()["position"] == len(source)
     else:
-        assert source.state_dict()["yielded"] == 0 and source.state_dict()["epoch_rng"] is None
+        assert source.state_dict()["position"] == 0 and source.state_dict()["epoch"] is None
     state = _through_checkpoint(source.state_dict())
 
     loader = ResumableDataLoader(_Indices(), batch_size=BATCH, shuffle=True)
@@ -224,7 +224,7 @@ def test_is_a_lightning_stateful() -> None:
     assert isinstance(loader, _Stateful)
     assert isinstance(loader, DataLoader)
     state = loader.state_dict()
-    assert state["yielded"] == 0
+    assert state["position"] == 0
     json.dumps(flatten_state(state).skeleton, allow_nan=False)  # storable by the checkpoint codec
 
 
@@ -259,3 +259,95 @@ def test_elastic_restart_continues_after_the_consumed_samples(old: int, new: int
     assert len(overlap) <= -(-old // new) * 2 * new  # at most ceil(N/M) batches per new rank seen again
     if (consumed * old) % new == 0:
         assert overlap == set() and len(rest) == len(data) - len(seen)
+
+
+class _Counting(Dataset[int]):
+    """Counts the items fetched in this process (num_workers=0): a skipped batch must not be fetched."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.fetched = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, idx: int) -> int:
+        self.fetched += 1
+        return idx
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_resume_skips_at_index_level(drop_last: bool) -> None:
+    """Resuming at batch k fetches nothing of the k batches before it, with any drop_last."""
+    torch.manual_seed(4)
+    original = ResumableDataLoader(_Counting(103), batch_size=5, shuffle=True, drop_last=drop_last)
+    it = iter(original)
+    for _ in range(13):
+        next(it)
+    state = _through_checkpoint(original.state_dict())
+    rest = _as_lists(list(it))
+
+    dataset = _Counting(103)
+    resumed = ResumableDataLoader(dataset, batch_size=5, shuffle=True, drop_last=drop_last)
+    resumed.load_state_dict(state)
+    assert _as_lists(list(resumed)) == rest
+    assert dataset.fetched == sum(len(b) for b in rest)  # only what was handed out
+
+
+def test_plain_dataloader_cursor_resumes_with_a_custom_batch_sampler() -> None:
+    """A LoaderCursor takes over any DataLoader, here one with a user batch sampler, and gives it back."""
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    from lightning_resilience.checkpoint.dataloader import LoaderCursor
+
+    def loader() -> tuple[DataLoader, LoaderCursor]:
+        dl = DataLoader(_Indices(), batch_sampler=BatchSampler(RandomSampler(range(N)), 3, drop_last=False))
+        return dl, LoaderCursor(dl)
+
+    torch.manual_seed(12)
+    dl, cursor = loader()
+    it = iter(dl)
+    next(it), next(it), next(it)
+    state = _through_checkpoint(cursor.state_dict(consumed=3))
+    rest = _as_lists(list(it))
+
+    _scramble_global_rng()
+    dl2, cursor2 = loader()
+    assert cursor2.load_state_dict(state)
+    assert _as_lists(list(dl2)) == rest
+    original = cursor2.sampler.inner
+    cursor2.detach()
+    assert dl2.batch_sampler is original
+
+
+def test_worker_randomness_resumes_exactly_across_epochs_with_persistent_workers() -> None:
+    """Worker-side random augmentation (num_workers=2, persistent) is exact when resuming in a later epoch.
+
+    Replaying the skipped batches cannot do this: the persistent workers of the uninterrupted run carry their RNG
+    from the earlier epochs; per-batch worker seeds make every batch's draws independent of the worker history.
+    """
+    kwargs: dict[str, Any] = {"batch_size": 2, "shuffle": True, "num_workers": 2, "persistent_workers": True}
+    torch.manual_seed(77)
+    original = ResumableDataLoader(_Augmented(12), **kwargs)
+    first_epoch = _as_lists(list(original))
+    it = iter(original)
+    next(it), next(it)
+    state = _through_checkpoint(original.state_dict())
+    rng_at_save = torch.get_rng_state()
+    rest = _as_lists(list(it))
+    assert len(rest) == 4 and rest[0] not in first_epoch
+
+    _scramble_global_rng()
+    resumed = ResumableDataLoader(_Augmented(12), **kwargs)
+    resumed.load_state_dict(state)
+    torch.set_rng_state(rng_at_save)
+    assert _as_lists(list(resumed)) == rest
+
+
+def test_worker_randomness_does_not_depend_on_the_number_of_workers() -> None:
+    """Each batch's worker seed comes from its position, not from the worker that happens to fetch it."""
+
+    def epoch(workers: int) -> list[Any]:
+        torch.manual_seed(5)
+        return _as_lists(list(ResumableDataLoader(_Augmented(12), batch_size=2, shuffle=True, num_workers=workers)))
+
+    assert epoch(1) == epoch(2)

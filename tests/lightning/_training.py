@@ -7,7 +7,6 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 
-from lightning_resilience import ResumableDataLoader
 from recipes._data import SyntheticTokenDataModule
 from recipes._gpt import TinyGPT
 
@@ -28,10 +27,9 @@ class CrashAt(Callback):
 def build(seed: int = 7) -> tuple[TinyGPT, SyntheticTokenDataModule]:
     seed_everything(seed, workers=True)
     model = TinyGPT(**TINY)
-    # 12 batches an epoch: runs cross epoch boundaries and resume mid-epoch
-    data = SyntheticTokenDataModule(
-        batch_size=4, num_samples=48, seq_len=16, vocab_size=64, seed=3, loader_cls=ResumableDataLoader
-    )
+    # 12 batches an epoch: runs cross epoch boundaries and resume mid-epoch; the train loader is what a user
+    # writes, DataLoader(dataset, shuffle=True): TieredCheckpoint makes it resumable
+    data = SyntheticTokenDataModule(batch_size=4, num_samples=48, seq_len=16, vocab_size=64, seed=3)
     return model, data
 
 

@@ -16,6 +16,7 @@ from lightning_resilience.checkpoint.manager import CheckpointManager, Checkpoin
 from lightning_resilience.checkpoint.rng import capture_rng_states, restore_rng_states
 from lightning_resilience.checkpoint.tier import Tier
 from lightning_resilience.checkpoint.tree import storage_ptr
+from lightning_resilience.lightning._train_data import TrainDataPosition
 from lightning_resilience.lightning._trainer_state import dump_trainer_state, restore_trainer_state
 
 __all__ = ["TieredCheckpoint"]
@@ -31,8 +32,10 @@ class TieredCheckpoint(Callback):
         Trainer(callbacks=[TieredCheckpoint(tiers=[MemoryTier(every_n_steps=1, keep=2),
                                                    LocalTier("/nvme/ckpt", every_n_steps=20, keep=3)])])
 
-    For an exact (bitwise) resume inside an epoch, use a stateful dataloader such as
-    :class:`~lightning_resilience.checkpoint.ResumableDataLoader`.
+    Resuming inside an epoch is exact (bitwise) with the user's own train loaders: a map-style ``DataLoader``
+    (any sampler, any ``num_workers``) continues at the next batch, skipping at the level of indices; a stateful
+    loader (torchdata's ``StatefulDataLoader``, any loader with ``state_dict``) keeps its own state; a loader over an
+    iterable dataset without state is named in a warning at fit start.
 
     Args:
         tiers: where snapshots go (tiers, or their config dataclasses); each has its own ``every_n_steps`` and
@@ -54,13 +57,14 @@ class TieredCheckpoint(Callback):
         self._last_step = -1
         self._pending_rng: dict[str, Any] | None = None
         self._guards: list[Any] = []
+        self._data = TrainDataPosition()
         self._blocking_logged = 0.0
         self.restores = 0
 
     def __getstate__(self) -> dict[str, Any]:
         # spawn launchers pickle callbacks: the engine (threads, locks, buffers) is per process and rebuilt in setup
         state = self.__dict__.copy()
-        state["manager"], state["_guards"] = None, []
+        state["manager"], state["_guards"], state["_data"] = None, [], TrainDataPosition()
         return state
 
     @property
@@ -103,6 +107,8 @@ class TieredCheckpoint(Callback):
         if self._pending_rng is not None:
             restore_rng_states(self._pending_rng)
             self._pending_rng = None
+        # the train loaders exist now, Lightning's sampler injected: continue the saved epoch at its next batch
+        self._data.attach(trainer)
 
     @override
     def on_train_batch_end(
@@ -164,6 +170,7 @@ class TieredCheckpoint(Callback):
             self._shutdown()
 
     def _shutdown(self) -> None:
+        self._data.detach()
         for guard in self._guards:
             guard.remove()
         self._guards = []
@@ -174,12 +181,13 @@ class TieredCheckpoint(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         # RNG streams of this rank travel with every checkpoint Lightning takes while we are attached
-        return {"rng": capture_rng_states(), "restores": self.restores}
+        return {"rng": capture_rng_states(), "restores": self.restores, "data": self._data.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_rng = state_dict.get("rng")
         self.restores = int(state_dict.get("restores", 0))
+        self._data.load_state_dict(state_dict.get("data"))
 
     def summary(self) -> str:
         """A short human-readable account of what was saved and restored, and at what cost."""
