@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_PATHS := lightning_resilience recipes tests $(wildcard benchmarks)
 
-.PHONY: venv nemo-venv demo test lint typecheck unit bench clean
+.PHONY: venv nemo-venv demo test lint typecheck unit bench clean drills-data
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,3 +56,9 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Every fault drill of the user's path (plain DataLoader, default preset, torchrun), plus DRILL_N random ones drawn
+# from DRILL_SEED; CI runs a bounded subset of tests/drills/test_data_drills.py.
+DRILL_N ?= 0
+drills-data: $(STAMP)
+	LR_DRILLS=all DRILL_N=$(DRILL_N) $(BIN)/python -m pytest -q -s tests/drills/test_data_drills.py

@@ -105,12 +105,17 @@ class TrainDataPosition:
             return None  # its own state_dict travels in Lightning's loop state
         if is_map_style(loader):
             return LoaderCursor(loader, salt=rank)
+        dataset = getattr(loader, "dataset", None)
+        why = (
+            "its dataset has a state_dict, but this loader does not save it (with workers the state lives in them)"
+            if callable(getattr(dataset, "state_dict", None))
+            else "it iterates a dataset without indices or state_dict/load_state_dict"
+        )
         rank_zero_warn(
-            f"{_describe(index, loader)} is not resumable inside an epoch: it iterates a dataset without indices and "
-            "has no state_dict/load_state_dict, so a resume restarts its epoch from the beginning (samples seen "
-            "again; order and worker randomness differ from an uninterrupted run). For an exact resume use a "
-            "map-style dataset, or a loader that saves its position such as torchdata's StatefulDataLoader over a "
-            "dataset with state_dict/load_state_dict."
+            f"{_describe(index, loader)} is not resumable inside an epoch: {why}. A resume restarts its epoch from "
+            "the beginning (samples seen again; order and worker randomness differ from an uninterrupted run). For "
+            "an exact resume use a map-style dataset, or torchdata's StatefulDataLoader over a dataset with "
+            "state_dict/load_state_dict."
         )
         return None
 

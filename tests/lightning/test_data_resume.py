@@ -163,3 +163,30 @@ def test_gradient_accumulation_resumes_bitwise(tmp_path: Path) -> None:
     reference = _fit(data, 14, [TieredCheckpoint(_tiers(tmp_path / "ref"))], accumulate_grad_batches=3)
     resumed = _crash_and_resume(tmp_path / "run", data, 14, 6, accumulate_grad_batches=3)
     assert_bitwise_equal(resumed, reference)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self) -> Any:
+        g = torch.Generator().manual_seed(0)
+        for _ in range(40):
+            x = torch.randn(8, generator=g)
+            yield x, x.mean(0, keepdim=True)
+
+
+def test_iterable_dataset_without_state_is_named_in_one_warning(tmp_path: Path) -> None:
+    """Never silently inexact: a loader we cannot resume inside an epoch is named once, at fit start."""
+
+    class StreamModel(NoisyRegressor):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(_Stream(), batch_size=4)
+
+    seed_everything(1)
+    trainer = Trainer(
+        max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        callbacks=[TieredCheckpoint(_tiers(tmp_path))],
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=r"train dataloader 0 \(DataLoader over _Stream\) is not resumable") as rec:
+        trainer.fit(StreamModel())
+    assert sum("is not resumable inside an epoch" in str(w.message) for w in rec) == 1
+    assert "StatefulDataLoader" in str(next(w.message for w in rec if "not resumable" in str(w.message)))
