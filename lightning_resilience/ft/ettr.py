@@ -18,7 +18,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 LEDGER_FILE = "ft_ledger.json"
 _VERSION = 1
+_POINTS_CAP = 256  # progress points and persists kept per attempt (every other one dropped beyond that)
 
 
 @dataclass
@@ -54,6 +55,16 @@ class AttemptRecord:
     end_reason: str | None = None
     """'finished', 'preempted', 'exception', 'hang', 'lost' (no rank left a note) or None while running."""
     faults: list[dict[str, Any]] = field(default_factory=list)
+    restored_step: int | None = None
+    """The checkpoint step this attempt resumed from (None: started from scratch)."""
+    restored_from: str | None = None
+    """The tier it was restored from."""
+    restore_s: float | None = None
+    """Seconds the restore took."""
+    progress: list[list[float]] = field(default_factory=list)
+    """[wall-clock seconds, step] at each ledger write: the attempt's pace, thinned to a few hundred points."""
+    persists: list[list[Any]] = field(default_factory=list)
+    """[wall-clock seconds, step, tier] when a persistent tier committed a newer step (first seen at a heartbeat)."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> AttemptRecord:
@@ -161,23 +172,52 @@ class EttrLedger:
         self.save()
         return record
 
-    def first_step(self, step: int) -> None:
+    def first_step(
+        self,
+        step: int,
+        *,
+        restored_step: int | None = None,
+        restored_from: str | None = None,
+        restore_s: float | None = None,
+    ) -> None:
+        """The first step of the attempt begins; ``restored_*``: the checkpoint it resumed from, if any."""
         record = self._require()
         record.first_step_at = self._wall_clock()
         record.start_step = record.last_step = step
         record.last_heartbeat_at = record.first_step_at
+        record.restored_step, record.restored_from, record.restore_s = restored_step, restored_from, restore_s
+        _append_point(record.progress, [record.first_step_at, step])
         self.save()
 
-    def heartbeat(self, step: int, *, checkpoint_blocking_s: float | None = None, force: bool = False) -> bool:
-        """Move the heartbeat to the end of ``step``; written at most every ``interval_s`` unless ``force``."""
+    def heartbeat(
+        self,
+        step: int,
+        *,
+        checkpoint_blocking_s: float | None = None,
+        persisted: Mapping[str, int | None] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Move the heartbeat to the end of ``step``; written at most every ``interval_s`` unless ``force``.
+
+        ``persisted``: the newest step each persistent tier has committed; a newer one is recorded as a persist.
+        """
         record = self._require()
         now = self._wall_clock()
-        record.last_heartbeat_at = now
+        if step != record.last_step or record.last_heartbeat_at is None:
+            # the same step again (the final flush at train end): the time since is not training
+            record.last_heartbeat_at = now
         record.last_step = step
         record.steps = step - (record.start_step or 0)
         if checkpoint_blocking_s is not None:
             record.checkpoint_blocking_s = checkpoint_blocking_s
+        for tier, committed in (persisted or {}).items():
+            newest = max((int(p[1]) for p in record.persists if p[2] == tier), default=None)
+            # a step at or below the resumed one was committed by an earlier attempt (the restored checkpoint)
+            fresh = committed is not None and committed > (record.start_step if record.start_step is not None else -1)
+            if fresh and committed is not None and (newest is None or committed > newest):
+                _append_point(record.persists, [now, int(committed), tier])
         if force or now - self._last_write >= self.interval_s:
+            _append_point(record.progress, [now, step])
             self.save()
             return True
         return False
@@ -186,6 +226,8 @@ class EttrLedger:
         record = self._require()
         record.ended_at = self._wall_clock()
         record.end_reason = reason
+        if record.last_heartbeat_at is not None and record.last_step is not None:
+            _append_point(record.progress, [record.last_heartbeat_at, record.last_step])
         if note is not None:
             record.faults.append(note.to_json())
         self.save()
@@ -198,6 +240,15 @@ class EttrLedger:
     # ------------------------------------------------------------------ reads
     def report(self) -> EttrReport:
         return account(self.attempts)
+
+
+def _append_point(points: list[Any], point: list[Any]) -> None:
+    """Append, keeping at most _POINTS_CAP: beyond it every other point goes (the first and the newest stay)."""
+    if points and points[-1] == point:
+        return
+    points.append(point)
+    if len(points) > _POINTS_CAP:
+        points[:] = [*points[:-1:2], points[-1]]
 
 
 def _reason(faults: list[dict[str, Any]]) -> str:

@@ -12,6 +12,8 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_resilience.checkpoint.manager import CheckpointStats
+from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.ft.config import FaultToleranceConfig
 from lightning_resilience.ft.ettr import EttrLedger, EttrReport
 from lightning_resilience.ft.heartbeat import RankMonitorBridge, connect_rank_monitor
@@ -168,7 +170,14 @@ class FaultTolerance(Callback):
         if not self._started_training:
             self._started_training = True
             if self.ledger is not None:
-                self.ledger.first_step(step)
+                stats = self._checkpoint_stats(trainer)
+                restored = stats is not None and stats.restored_step is not None
+                self.ledger.first_step(
+                    step,
+                    restored_step=stats.restored_step if stats is not None else None,
+                    restored_from=stats.restored_from if restored and stats is not None else None,
+                    restore_s=stats.restore_seconds if restored and stats is not None else None,
+                )
             if self.monitor is not None:
                 self.monitor.end_section("setup")
         self.watchdog.switch("step", step)
@@ -190,7 +199,9 @@ class FaultTolerance(Callback):
             return
         self._last_step = step
         if self.ledger is not None:
-            self.ledger.heartbeat(step, checkpoint_blocking_s=self._checkpoint_blocking(trainer))
+            self.ledger.heartbeat(
+                step, checkpoint_blocking_s=self._checkpoint_blocking(trainer), persisted=self._persisted(trainer)
+            )
         self._boundaries += 1
         if self.monitor is not None and not self.monitor.calibrated and self._boundaries > self.config.warmup_steps:
             self.monitor.calibrate()  # collective inside NVRx: every rank reaches this same step
@@ -308,11 +319,28 @@ class FaultTolerance(Callback):
 
     # ------------------------------------------------------------------ report
     @staticmethod
-    def _checkpoint_blocking(trainer: Trainer) -> float | None:
+    def _checkpoint_stats(trainer: Trainer) -> CheckpointStats | None:
         for cb in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(cb, TieredCheckpoint) and cb.manager is not None:
-                return float(cb.manager.stats.capture_seconds)
+                return cb.manager.stats
         return None
+
+    def _checkpoint_blocking(self, trainer: Trainer) -> float | None:
+        stats = self._checkpoint_stats(trainer)
+        return float(stats.capture_seconds) if stats is not None else None
+
+    @staticmethod
+    def _persisted(trainer: Trainer) -> dict[str, int | None]:
+        """The newest committed step of each persistent (non-RAM) checkpoint tier."""
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(cb, TieredCheckpoint) and cb.manager is not None:
+                stats = cb.manager.stats.tiers
+                return {
+                    t.name: stats[t.name].last_step
+                    for t in cb.manager.tiers
+                    if not isinstance(t, MemoryTier) and t.name in stats
+                }
+        return {}
 
     def ettr(self) -> EttrReport | None:
         """Time accounting so far (global rank 0 only; None elsewhere)."""
