@@ -131,6 +131,38 @@ def test_report_is_written_when_fit_raises(tmp_path: Path, capsys: pytest.Captur
     assert costs.failures == 1  # the attempt ended in a fault
 
 
+class _CrashWithMarkup(Callback):
+    """Raises what gloo raises when a peer dies: a message full of square brackets."""
+
+    MESSAGE = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] closing tag [/bold] [red]"
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step == 5:
+            raise RuntimeError(self.MESSAGE)
+
+
+def test_a_crash_with_markup_in_its_message_is_reported_with_its_table_and_timeline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    run_dir = tmp_path / "run"
+    report_cb = ResilienceReportCallback(run_dir)
+    model, data = build()
+    tiers = [MemoryTier(every_n_steps=1, keep=2), LocalTier(tmp_path / "ckpt", every_n_steps=2, keep=2)]
+    with caplog.at_level("INFO"), pytest.raises(RuntimeError, match="closing tag"):
+        trainer(10, [_ft(run_dir), TieredCheckpoint(tiers), _CrashWithMarkup(), report_cb]).fit(model, datamodule=data)
+    out = capsys.readouterr().out
+    assert "could not" not in caplog.text
+    assert "closing tag [/bold] [red]" in out and "[/__w/pytorch/" in out  # shown as written, not parsed
+    assert f"resilience report: {run_dir / REPORT_NAME}" in out.replace("\n", "")
+    report = json.loads((run_dir / REPORT_NAME).read_text())
+    (attempt,) = report["attempts"]
+    assert attempt["outcome"] == "fault" and attempt["cause"]["rank"] == 0
+    assert attempt["cause"]["kind"] == "exception" and _CrashWithMarkup.MESSAGE in attempt["cause"]["detail"]
+    assert report["timeline"]["attempts"][0]["last_step"] == 5
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert report_cb.plot_files[0] == run_dir / "timeline.png" and (run_dir / "timeline.svg").is_file()
+
+
 def test_section_names() -> None:
     assert section_name(_Custom()) == "custom"
     assert section_name(BrokenThing()) == "broken_thing"

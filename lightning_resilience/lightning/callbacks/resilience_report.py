@@ -15,15 +15,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
-from lightning_resilience.report import (
-    ResilienceReport,
-    assemble,
-    checkpoint_section,
-    plot,
-    render_table,
-    save_json,
-)
-from lightning_resilience.sim.from_run import REPORT_NAME
+from lightning_resilience.report import ResilienceReport, assemble, checkpoint_section, write_report
 
 __all__ = ["ResilienceReportCallback"]
 
@@ -128,14 +120,23 @@ class ResilienceReportCallback(Callback):
         self._written = True
         self.last_report = self.collect(trainer, status)
         run_dir = self.run_dir or Path(trainer.default_root_dir) / "resilience"
-        self.path = save_json(self.last_report, run_dir / REPORT_NAME)
-        if self.plots:
-            self.plot_files = plot(self.last_report, run_dir)
+        console = None
         if self.print_table:
+            import sys
+
             from rich.console import Console
 
-            Console().print(render_table(self.last_report))
-        log.info("resilience report written to %s", self.path)
+            # a log file (not a terminal) gets lines wide enough for the attempts table
+            console = Console(width=None if sys.stdout.isatty() else 140)
+        files = write_report(
+            self.last_report,
+            run_dir,
+            plots=self.plots,
+            console=console,
+            current_attempt="finished" if status == "finished" else None,
+        )
+        self.path, self.plot_files = files.json, files.pictures
+        log.info("%s", files.describe())
 
     def collect(self, trainer: Trainer, status: str = "running") -> ResilienceReport:
         """Assemble the report from the callbacks on ``trainer`` now (any rank; nothing written)."""
