@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning
+from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch import Trainer
 
 # Lightning 2.5 learned to restart from a checkpoint taken in ``on_train_batch_end``; earlier versions (NeMo pins 2.4)
@@ -82,6 +83,11 @@ def restart_train_iterator(trainer: Trainer, indices: list[int], create: Callabl
     if fetcher is None or not indices:
         return
     combined = fetcher.combined_loader
+    # the fit loop sets the samplers' epoch only after this hook; an iterator with workers draws its first indices
+    # when it is created, so a DistributedSampler must know its epoch now (the value the fit loop will set)
+    epoch = trainer.fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]
+    for loader in combined.flattened:
+        _set_sampler_epoch(loader, epoch)
     mode_iterator = combined._iterator
     if mode_iterator is None or getattr(fetcher, "batches", None):
         combined.reset()

@@ -164,6 +164,8 @@ def random_drills(seed: int, n: int, steps: int = 40, persist_every: int = 10) -
         fault = rng.choice(FAULTS[1:])
         if fault == "sigkill-persist":
             step = rng.choice(range(persist_every, steps, persist_every))
+        elif fault.startswith("sigterm"):  # a stop is agreed on a step or two after the signal: leave room
+            step = rng.randint(2, steps - 10)
         else:
             step = rng.randint(2, steps - 2)
         drills.append(Drill(fault=fault, step=step, rank=rng.randint(0, 1), workers=rng.choice((0, 2)), steps=steps))

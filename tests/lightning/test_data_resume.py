@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
 
 from lightning_resilience import LocalTier, MemoryTier, TieredCheckpoint
 from tests.lightning._training import CrashAt, assert_bitwise_equal, weights
@@ -77,6 +78,9 @@ class Data:
         if self.variant == "batch_sampler":
             bs = BatchSampler(RandomSampler(ds), batch_size=BATCH, drop_last=self.drop_last)
             return DataLoader(ds, batch_sampler=bs, **common)
+        if self.variant == "distributed":  # what Lightning injects under DDP: its order comes from set_epoch
+            sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=3)
+            return DataLoader(ds, batch_size=BATCH, sampler=sampler, drop_last=self.drop_last, **common)
         if self.variant == "unbatched":
             return DataLoader(ds, batch_size=None, shuffle=True, **common)
         raise AssertionError(self.variant)
@@ -133,6 +137,8 @@ CASES = [
     ("shuffle", 2, False, False, 16),
     ("shuffle", 2, True, True, 26),  # persistent workers, resumed in the third epoch
     ("sequential", 2, True, False, 13),
+    ("distributed", 2, False, False, 27),  # in the third epoch: the sampler's epoch decides the order
+    ("distributed", 0, True, False, 15),
     ("generator", 0, True, False, 15),
     ("generator", 2, False, False, 15),
     ("batch_sampler", 2, False, False, 14),
