@@ -3,6 +3,7 @@ sections, the simulator reading it, and a report written when fit raises."""
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
 import pickle
@@ -161,6 +162,43 @@ def test_a_crash_with_markup_in_its_message_is_reported_with_its_table_and_timel
     assert report["timeline"]["attempts"][0]["last_step"] == 5
     if importlib.util.find_spec("matplotlib") is not None:
         assert report_cb.plot_files[0] == run_dir / "timeline.png" and (run_dir / "timeline.svg").is_file()
+
+
+def test_metrics_reach_the_loggers_at_the_logging_cadence_as_host_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.loggers import CSVLogger
+
+    through_module_log: list[str] = []
+    original = LightningModule.log
+
+    def spy(self: LightningModule, name: str, *args: Any, **kwargs: Any) -> None:
+        through_module_log.append(name)
+        original(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(LightningModule, "log", spy)
+    run_dir = tmp_path / "run"
+    model, data = build()
+    tiers = [MemoryTier(every_n_steps=1, keep=2), LocalTier(tmp_path / "ckpt", every_n_steps=4, keep=2)]
+    callbacks = [_ft(run_dir), TieredCheckpoint(tiers), ResilienceReportCallback(run_dir, print_table=False)]
+    fit = Trainer(
+        max_steps=12, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path / "logs"), log_every_n_steps=4,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+    )  # fmt: skip
+    fit.fit(model, datamodule=data)
+    with open(next((tmp_path / "logs").rglob("metrics.csv"))) as f:
+        rows = list(csv.DictReader(f))
+    cadence = [int(r["step"]) for r in rows if r.get("resilience/report/step_time_s")]
+    assert cadence == [4, 8]  # step 12 ends the run: its interval is never closed
+    share = [
+        float(r["resilience/report/checkpoint_blocking_share"]) for r in rows if r.get("resilience/report/step_time_s")
+    ]
+    assert all(0.0 <= v < 1.0 for v in share)
+    (final,) = [r for r in rows if r.get("resilience/report/ettr")]
+    assert int(final["step"]) == 12 and 0.0 < float(final["resilience/report/ettr"]) <= 1.0
+    assert float(final["resilience/report/restarts"]) == 0.0 and float(final["resilience/report/faults"]) == 0.0
+    assert not [n for n in through_module_log if n.startswith("resilience/report")]
 
 
 def test_section_names() -> None:

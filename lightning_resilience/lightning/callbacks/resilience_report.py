@@ -75,6 +75,7 @@ class ResilienceReportCallback(Callback):
         self._timeline: list[tuple[int, float]] = []
         self._mark: tuple[int, float, float, int] | None = None  # step, time, blocking seconds, captures
         self._written = False
+        self._window: list[tuple[float, float]] = []  # (step seconds, blocked seconds) since the last logged step
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -83,6 +84,7 @@ class ResilienceReportCallback(Callback):
             return
         self.last_report, self.path, self.plot_files = None, None, []
         self._step_seconds, self._timeline, self._mark, self._written = [], [], None, False
+        self._window = []
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -100,7 +102,26 @@ class ResilienceReportCallback(Callback):
                 del self._step_seconds[: _STEP_CAP // 10]
             if captures > prev_captures:
                 self._timeline.append((step, blocked))
+            self._window.append((self._step_seconds[-1], blocked))
+            self._log_window(trainer)
         self._mark = (step, now, blocking, captures)
+
+    def _log_window(self, trainer: Trainer) -> None:
+        """At the logging cadence (``log_every_n_steps``), the step time and the share checkpointing blocked over
+        the steps since the last log: host clock readings only, never a device tensor."""
+        every = int(getattr(trainer, "log_every_n_steps", 0) or 0)
+        if not trainer.loggers or every <= 0 or trainer.global_step % every != 0 or not self._window:
+            return
+        steps = [s for s, _ in self._window]
+        blocked = sum(b for _, b in self._window)
+        _log_host_metrics(
+            trainer,
+            {
+                "resilience/report/step_time_s": statistics.median(steps),
+                "resilience/report/checkpoint_blocking_share": blocked / max(sum(steps) + blocked, 1e-12),
+            },
+        )
+        self._window = []
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -137,6 +158,8 @@ class ResilienceReportCallback(Callback):
         )
         self.path, self.plot_files = files.json, files.pictures
         log.info("%s", files.describe())
+        if trainer.loggers:
+            _log_host_metrics(trainer, _job_metrics(self.last_report))
 
     def collect(self, trainer: Trainer, status: str = "running") -> ResilienceReport:
         """Assemble the report from the callbacks on ``trainer`` now (any rank; nothing written)."""
@@ -195,3 +218,24 @@ def _checkpoint_counters(trainer: Trainer) -> tuple[float, int]:
             blocking += cb.manager.stats.capture_seconds
             captures += cb.manager.stats.captures
     return blocking, captures
+
+
+def _log_host_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
+    """Host numbers straight to the Trainer's loggers at the current step (no ``self.log``: it would make a device
+    tensor of every float and read it back)."""
+    for logger in trainer.loggers:
+        logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=trainer.global_step)
+
+
+def _job_metrics(report: ResilienceReport) -> dict[str, float]:
+    """The whole job's goodput figures, logged once when the report is written."""
+    if report.timeline is None:
+        return {}
+    ettr = report.timeline.get("ettr") or {}
+    out = {
+        f"resilience/report/{key}": float(ettr[key])
+        for key in ("ettr", "wall_s", "productive_s", "restart_gap_s", "recompute_s", "recomputed_steps", "restarts")
+        if isinstance(ettr.get(key), int | float)
+    }
+    out["resilience/report/faults"] = float(sum(a.get("outcome") == "fault" for a in report.attempts))
+    return out
