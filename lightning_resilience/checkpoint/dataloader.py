@@ -141,8 +141,16 @@ class ResumableDataLoader(DataLoader):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._cursor = LoaderCursor(self)
         self._yielded = 0
+        self._taken_over: LoaderCursor | None = None
+
+    @property
+    def _cursor(self) -> LoaderCursor:
+        # taken over at first use, not at construction: under DDP Lightning first re-creates the loader from this
+        # one's batch sampler (with its DistributedSampler), and it accepts only a plain BatchSampler there
+        if self._taken_over is None:
+            self._taken_over = LoaderCursor(self)
+        return self._taken_over
 
     @property
     def replicas(self) -> int:
