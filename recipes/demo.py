@@ -65,9 +65,26 @@ def main() -> int:
                 f"{r['restore_ms']:.1f} ms; work lost to the crash: {KILL_AT - r['restored_step']} steps"
             )
     print(f"wall time including the restart: {wall:.1f} s")
+    explain_restarts(RUN_DIR)
     ok = proc.returncode == 0 and any(r["restored_step"] for r in reports) and reports[-1]["final_step"] == STEPS
     print("demo:", "PASSED (crashed, restarted, resumed, finished)" if ok else "FAILED")
     return 0 if ok else 1
+
+
+def explain_restarts(run_dir: Path) -> None:
+    """Why each attempt ended (the culprit rank, how, the victims) and where the goodput timeline is."""
+    path = run_dir / "resilience_report.json"
+    if not path.is_file():
+        print(f"no resilience report in {run_dir}")
+        return
+    report = json.loads(path.read_text())
+    for attempt in report.get("attempts", []):
+        print(f"attempt {attempt['attempt']} ended: {attempt['headline']}")
+        for victim in (attempt.get("victims") or [])[:4]:
+            print(f"           victim: rank {victim['rank']}: {victim['brief']}")
+    timeline = run_dir / "timeline.png"
+    print(f"goodput timeline: {timeline}" if timeline.is_file() else "no timeline picture (matplotlib not installed)")
+    print(f"full report: {path} (again: lightning-resilience report {run_dir})")
 
 
 if __name__ == "__main__":

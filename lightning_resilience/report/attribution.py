@@ -191,10 +191,19 @@ def attribute(ev: AttemptEvidence) -> Attribution:
     primaries = [f for f in failures if not _secondary(f, summaries)]
     pool = primaries or failures
     named = [f for f in pool if f.rank is not None and f.rank == ev.first_failing_rank]
+    common = None if named else _common_failure(primaries)
+    if common is not None:
+        consequences = tuple(_as_victim(f) for f in failures if f not in primaries)
+        return Attribution(ev.attempt, "fault", common, consequences, _detection(ev, common))
     cause = named[0] if named else _first(pool, summaries)
     if named:
         cause = _with_evidence(cause, "launcher: failed first")
     job_code = _JOB_STOPS.get(cause.kind)
+    alike = [f for f in failures if f.kind is cause.kind]
+    if job_code is not None and "fault note" not in cause.evidence and len(alike) > 1:
+        # the same decided code on every rank and no note saying who triggered it: the job decided, not a rank
+        ranks = ", ".join(str(f.rank) for f in alike)
+        cause = RankFailure(**{**_fields(cause), "rank": None, "detail": f"ranks {ranks}: {cause.detail}"})
     victims = []
     for f in failures:
         if f is cause:
@@ -209,6 +218,30 @@ def attribute(ev: AttemptEvidence) -> Attribution:
     elif job_code is not None:
         outcome = "stopped"
     return Attribution(ev.attempt, outcome, cause, tuple(victims), _detection(ev, cause))
+
+
+def _common_failure(primaries: list[RankFailure]) -> RankFailure | None:
+    """Several ranks failing the same way on their own (one exception message, one exit code, one signal) is no
+    rank's fault: the code, the data or the job as a whole. None when the failures differ."""
+    if len(primaries) < 2 or any(
+        f.kind is FailureKind.HANG or f.kind in _JOB_STOPS or f.rank is None for f in primaries
+    ):
+        return None
+    first = primaries[0]
+    if any(f.kind is not first.kind or f.brief() != first.brief() for f in primaries):
+        return None
+    times = [f.at for f in primaries if f.at is not None]
+    if first.kind is FailureKind.SIGNAL and times and max(times) - min(times) > 1.0:
+        return None  # one rank killed, the others stopped after it (the launcher's SIGKILL after its SIGTERM)
+    ranks = ", ".join(str(f.rank) for f in sorted(primaries, key=lambda f: f.rank or 0))
+    return RankFailure(
+        None,
+        first.kind,
+        f"the same failure on ranks {ranks}: {first.detail}",
+        at=min((f.at for f in primaries if f.at is not None), default=None),
+        step=first.step,
+        evidence=(*first.evidence, "same on every failing rank"),
+    )
 
 
 def _with_evidence(failure: RankFailure, item: str) -> RankFailure:

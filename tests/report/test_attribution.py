@@ -87,6 +87,20 @@ def test_an_exception_of_its_own_beats_a_peers_broken_collective() -> None:
     assert a.cause.detail.startswith("ValueError") and [v.rank for v in a.victims] == [0]
 
 
+def test_the_same_error_on_every_rank_is_no_ranks_fault() -> None:
+    """A bug in the script (or a bad config) fails every rank alike: there is no culprit rank and no victim."""
+    message = "TypeError: Lightning can't inject a (distributed) sampler into your batch sampler"
+    ev = AttemptEvidence(
+        attempt=0,
+        world_size=2,
+        end_reason="exception",
+        notes=[_note("exception", 1, 3.0, message, step=0), _note("exception", 0, 3.1, message, step=0)],
+    )
+    a = attribute(ev)
+    assert a.cause is not None and a.cause.rank is None and a.victims == ()
+    assert a.cause.detail.startswith("the same failure on ranks 0, 1: TypeError") and a.cause.at == 3.0
+
+
 def test_the_launchers_first_failing_rank_is_trusted() -> None:
     ev = AttemptEvidence(
         attempt=0,
@@ -129,6 +143,8 @@ def test_a_decided_stop_ends_every_rank_with_its_code_and_makes_no_victims(
     assert a.outcome == outcome and a.cause is not None and a.cause.kind is kind and a.victims == ()
     if notes:
         assert a.cause.rank == 2 and "fault note" in a.cause.evidence
+    else:  # nothing says which rank triggered it: the job as a whole stopped
+        assert a.cause.rank is None and a.cause.detail.startswith("ranks 0, 1, 2, 3: exited with code 88")
 
 
 def test_an_agreed_preemption_without_a_launcher_blames_no_silent_rank() -> None:
