@@ -1,21 +1,34 @@
-"""Straggler (fail-slow) detection: per-rank step timing, relative and individual scores, change-point verdicts
-confirmed by a sustained slowdown, and an action ladder every rank applies at the same step."""
+"""Straggler (fail-slow) detection: per-rank timing with the collective waits taken out, relative and individual
+scores, change-point verdicts confirmed by a sustained slowdown, a job-wide slowdown verdict, and an action ladder
+every rank applies at the same step."""
 
 from lightning_resilience.straggler.changepoint import ChangePointEvents, RobustCusum
-from lightning_resilience.straggler.detector import (
+from lightning_resilience.straggler.detector import AUTO_SECTIONS, StragglerDetector
+from lightning_resilience.straggler.exchange import (
     GatherFn,
     GlooGather,
     Payload,
-    StragglerDetector,
     StragglerGatherError,
     gloo_gather,
 )
 from lightning_resilience.straggler.kernels import NvrxKernelScores, open_kernel_scores
 from lightning_resilience.straggler.policy import STRAGGLER_EXIT_CODE, Action, ActionLadder, Decision, Verdict
-from lightning_resilience.straggler.scores import IndividualBaseline, relative_slowdowns
+from lightning_resilience.straggler.probes import WaitProbe, find_parallelism
+from lightning_resilience.straggler.scoreboard import Scoreboard
+from lightning_resilience.straggler.scores import (
+    IndividualBaseline,
+    excess_slowdowns,
+    leave_one_out_reference,
+    relative_slowdowns,
+)
 from lightning_resilience.straggler.timing import (
+    BACKWARD,
+    COMPUTE,
     DATA,
+    FORWARD,
+    OPTIMIZER,
     STEP,
+    WAIT,
     CudaEventSource,
     StepTimer,
     TimeSource,
@@ -23,9 +36,15 @@ from lightning_resilience.straggler.timing import (
 )
 
 __all__ = [
+    "AUTO_SECTIONS",
+    "BACKWARD",
+    "COMPUTE",
     "DATA",
+    "FORWARD",
+    "OPTIMIZER",
     "STEP",
     "STRAGGLER_EXIT_CODE",
+    "WAIT",
     "Action",
     "ActionLadder",
     "ChangePointEvents",
@@ -37,13 +56,18 @@ __all__ = [
     "NvrxKernelScores",
     "Payload",
     "RobustCusum",
+    "Scoreboard",
     "StepTimer",
     "StragglerDetector",
     "StragglerGatherError",
     "TimeSource",
     "Verdict",
+    "WaitProbe",
     "WallClockSource",
+    "excess_slowdowns",
+    "find_parallelism",
     "gloo_gather",
+    "leave_one_out_reference",
     "open_kernel_scores",
     "relative_slowdowns",
 ]

@@ -6,8 +6,9 @@ accumulates ``min(clip, (y - k) / sigma)`` and alarms when the sum reaches ``h``
 * ``k = log(min_slowdown) / 2`` is half the smallest shift worth detecting (the classical CUSUM allowance), so a rank
   that is steadily 2-3% slower than its peers (different silicon) drifts down, not up;
 * ``sigma`` is the rank's robust noise scale, 1.4826 x the median absolute deviation of its recent in-control
-  samples (never below ``noise_floor``, refreshed every ``MIN_HISTORY`` updates), so the test adapts to how noisy
-  the job is;
+  samples (never below ``noise_floor``, refreshed every ``MIN_HISTORY`` updates; the largest of the last
+  ``_SCALE_MEMORY`` estimates, so a window that happens to be calm does not make ordinary jitter look like a
+  shift), so the test adapts to how noisy the job is;
 * ``clip`` bounds what one sample adds, so one spike alone cannot reach ``h``.
 
 An alarm becomes a verdict only when the last ``confirm_steps`` samples, all but one (with ``confirm_steps >= 3``),
@@ -21,7 +22,6 @@ when the confirmation median stays below the midpoint ``exp(k)`` for ``2 x confi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +32,7 @@ MIN_HISTORY = 8
 """In-control samples a rank needs (for its noise scale) before it is tested; also the scale's refresh period."""
 
 _MAD_TO_SIGMA = 1.4826
+_SCALE_MEMORY = 4
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
@@ -53,8 +54,8 @@ class RobustCusum:
     """One-sided robust CUSUM with confirmation, vectorised over ranks.
 
     Args:
-        world_size: number of series (ranks).
-        min_slowdown: smallest slowdown factor worth a verdict.
+        world_size: number of series (ranks, or ranks x sections).
+        min_slowdown: smallest slowdown factor worth a verdict (one for all series, or one per series).
         confirm_steps: recent samples that must show ``min_slowdown`` (all but one when >= 3).
         threshold: CUSUM decision threshold ``h`` (robust standard deviations).
         clip: largest contribution of one sample (robust standard deviations).
@@ -66,7 +67,7 @@ class RobustCusum:
         self,
         world_size: int,
         *,
-        min_slowdown: float,
+        min_slowdown: float | np.ndarray,
         confirm_steps: int,
         threshold: float,
         clip: float,
@@ -75,7 +76,7 @@ class RobustCusum:
     ) -> None:
         assert world_size >= 1 and confirm_steps >= 1 and window >= MIN_HISTORY
         self.world_size = world_size
-        self.log_min = math.log(min_slowdown)
+        self.log_min = np.log(np.broadcast_to(np.asarray(min_slowdown, dtype=np.float64), (world_size,))).copy()
         self.allowance = self.log_min / 2
         self.confirm_steps = confirm_steps
         self._dips = 1 if confirm_steps >= 3 else 0
@@ -92,6 +93,7 @@ class RobustCusum:
         self._hist_idx = np.zeros(world_size, dtype=np.int64)
         self._calm = np.zeros(world_size, dtype=np.int64)
         self.scale = np.full(world_size, np.nan)
+        self._scales = np.full((_SCALE_MEMORY, world_size), np.nan)
         self._updates = 0
 
     def update(self, step: int, slowdown: np.ndarray) -> ChangePointEvents:
@@ -119,7 +121,7 @@ class RobustCusum:
             med[cand] = _median_sorted(rows)
             confirmed = np.zeros(self.world_size, dtype=bool)
             # sustained, not spikes: all recent samples but one (a dip of the straggler's own noise) are slow
-            confirmed[cand] = rows[self._dips] >= self.log_min
+            confirmed[cand] = rows[self._dips] >= self.log_min[cand]
             started = np.flatnonzero(testable & ~self.flagged & (self.cusum >= self.threshold) & confirmed)
             self.flagged[started] = True
             self._calm[started] = 0
@@ -150,15 +152,22 @@ class RobustCusum:
 
     def _refresh_scale(self) -> None:
         """The noise scale moves slowly: refreshed every MIN_HISTORY updates, not every step."""
-        full = np.flatnonzero(self._hist_idx >= self.window)
-        if full.size:
-            hist = self._hist[:, full]
-            mad = np.median(np.abs(hist - np.median(hist, axis=0)), axis=0)
-            self.scale[full] = np.maximum(self.noise_floor, _MAD_TO_SIGMA * mad)
-        for rank in np.flatnonzero((self._hist_idx >= MIN_HISTORY) & (self._hist_idx < self.window)).tolist():
-            hist1 = self._hist[: int(self._hist_idx[rank]), rank]
-            mad1 = float(np.median(np.abs(hist1 - np.median(hist1))))
-            self.scale[rank] = max(self.noise_floor, _MAD_TO_SIGMA * mad1)
+        ready = np.flatnonzero(self._hist_idx >= MIN_HISTORY)
+        if not ready.size:
+            return
+        hist = self._hist[:, ready]
+        median = np.median if np.all(self._hist_idx[ready] >= self.window) else np.nanmedian  # unfilled slots: NaN
+        mad = median(np.abs(hist - median(hist, axis=0)), axis=0)
+        self._scales[(self._updates // MIN_HISTORY) % _SCALE_MEMORY, ready] = _MAD_TO_SIGMA * mad
+        self.scale[ready] = np.maximum(self.noise_floor, np.nanmax(self._scales[:, ready], axis=0))
+
+    def dismiss(self, step: int, ranks: np.ndarray) -> None:
+        """End the episodes of ``ranks`` at once, as noise: their samples count as in-control again (a false alarm
+        must not teach the noise scale that the jitter is smaller than it is) and the test starts over."""
+        self.flagged[ranks] = False
+        self.cusum[ranks] = 0.0
+        self.last_zero[ranks] = step
+        self._calm[ranks] = 0
 
     def onset(self, rank: int) -> int:
         """Estimated change point of ``rank``: the step after the CUSUM was last zero."""

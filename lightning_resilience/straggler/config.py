@@ -90,10 +90,22 @@ class StragglerConfig:
     """Largest contribution of one sample to the CUSUM, in robust standard deviations: bounds what one spike adds."""
     noise_floor: float = 0.01
     """Smallest noise scale assumed (log units, ~1% jitter): keeps a perfectly steady series from alarming on noise."""
-    sections: list[str] = field(default_factory=lambda: ["step"])
-    """Sections whose series are tested ('step' is the whole step; add 'forward', 'optimizer', 'data' or user
-    sections). Under data parallelism the gradient all-reduce equalises whole-step times across ranks, so the
-    sections without collectives are the ones that name the slow rank."""
+    sections: list[str] | None = None
+    """Sections whose series are tested. Unset (the default): 'compute' (the rank's own work: the step minus the
+    collective waits the probes measure under DDP and FSDP) and 'data' (the wait for the next batch), so the verdict
+    names the slow component. Or name them: 'step' (the whole step), 'forward', 'backward', 'optimizer', 'wait',
+    or your own sections. Under data parallelism the gradient all-reduce equalises whole-step times across ranks:
+    'step' shows that the job is slower, not who is slow."""
+    job_verdicts: bool = True
+    """Also report a job-wide slowdown (every rank's own work slower than its own history) as a job verdict
+    (rank -1, section 'work'); it reaches only the 'log' and 'alert' levels (no rank to exclude or restart
+    without)."""
+    job_min_slowdown: float = 1.2
+    """Smallest job-wide slowdown reported as a job verdict."""
+    noise_level: float = 2.0
+    """A confirmed slowdown within this many robust standard deviations of the series' step-to-step jitter is
+    noise-level: it is listed as such in the report and never becomes a verdict (on a quiet machine the jitter is
+    a few percent and this never matters; on a loaded one it keeps jitter from reading like a finding)."""
     levels: list[StragglerLevelConfig] = field(default_factory=_default_levels)
     """Action ladder; each level fires at most once per straggler episode."""
     gather_timeout_s: float = 120.0
@@ -109,7 +121,8 @@ class StragglerConfig:
         self.levels = [
             lvl if isinstance(lvl, StragglerLevelConfig) else StragglerLevelConfig(**lvl) for lvl in self.levels
         ]
-        self.sections = [str(s) for s in self.sections]
+        if self.sections is not None:
+            self.sections = [str(s) for s in self.sections]
         for key in ("gather_every_n_steps", "confirm_steps"):
             if getattr(self, key) < 1:
                 raise ConfigError("straggler", key, f"must be >= 1, got {getattr(self, key)}")
@@ -125,13 +138,19 @@ class StragglerConfig:
             )
         if not (math.isfinite(self.min_slowdown) and self.min_slowdown > 1.0):
             raise ConfigError("straggler", "min_slowdown", f"must be a finite factor > 1.0, got {self.min_slowdown}")
+        if not (math.isfinite(self.job_min_slowdown) and self.job_min_slowdown > 1.0):
+            raise ConfigError(
+                "straggler", "job_min_slowdown", f"must be a finite factor > 1.0, got {self.job_min_slowdown}"
+            )
+        if not (math.isfinite(self.noise_level) and self.noise_level >= 0):
+            raise ConfigError("straggler", "noise_level", f"must be >= 0, got {self.noise_level}")
         for key in ("cusum_threshold", "cusum_clip", "noise_floor", "gather_timeout_s"):
             value = getattr(self, key)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError("straggler", key, f"must be > 0, got {value}")
-        if not self.sections:
-            raise ConfigError("straggler", "sections", "must name at least one section, got []")
-        if len(set(self.sections)) != len(self.sections):
+        if self.sections is not None and not self.sections:
+            raise ConfigError("straggler", "sections", "must name at least one section (or be null: automatic), got []")
+        if self.sections is not None and len(set(self.sections)) != len(self.sections):
             raise ConfigError("straggler", "sections", f"must not repeat a name, got {self.sections}")
         actions = [str(lvl.action) for lvl in self.levels]
         if len(set(actions)) != len(actions):

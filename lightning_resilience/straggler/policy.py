@@ -38,9 +38,17 @@ class Action(str, enum.Enum):
 _SEVERITY = {Action.LOG: 0, Action.ALERT: 1, Action.EXCLUDE: 2, Action.STOP: 3}
 
 
+_COMPONENTS = {
+    "compute": "its own compute (forward, backward, optimizer; collective waits excluded)",
+    "data": "the wait for its next batch",
+    "work": "every rank's own work (compute and data wait), against the job's own history",
+}
+
+
 @dataclass(frozen=True)
 class Verdict:
-    """A confirmed straggler: which rank, where it runs, in which section, and how slow."""
+    """A confirmed straggler: which rank, where it runs, in which section, and how slow. A *job* verdict
+    (``scope == "job"``, ``rank == -1``) says that every rank got slower than its own history."""
 
     rank: int
     node: str
@@ -48,6 +56,8 @@ class Verdict:
     node_index: int
     """Node number: rank // LOCAL_WORLD_SIZE when known, else the order in which host names first appear."""
     section: str
+    """The slow component: 'compute' (the rank's own work), 'data' (its wait for batches), 'work' (job verdicts),
+    or a section the user named."""
     slowdown: float
     """Current slowdown factor (median of the last confirmation samples) against the reference."""
     score: str
@@ -56,11 +66,22 @@ class Verdict:
     """Step at which the slowdown was confirmed."""
     onset_step: int
     """Estimated first slow step (the change point)."""
+    noise: float = 0.0
+    """The series' step-to-step jitter when confirmed (robust standard deviation, as a fraction: 0.05 = 5%)."""
+    scope: str = "rank"
+    """'rank' (one rank is slower than the others) or 'job' (all ranks slower than their own history)."""
+
+    @property
+    def component(self) -> str:
+        return _COMPONENTS.get(self.section, f"section '{self.section}'")
 
     def describe(self) -> str:
+        since = f"since ~step {self.onset_step}, confirmed at step {self.step}; jitter {self.noise:.0%}"
+        if self.scope == "job":
+            return f"the whole job is {self.slowdown:.2f}x slower: {self.component} ({since})"
         return (
             f"rank {self.rank} (node {self.node_index}, {self.node}) is {self.slowdown:.2f}x slower in "
-            f"'{self.section}' ({self.score} score) since ~step {self.onset_step}, confirmed at step {self.step}"
+            f"{self.component} ({self.score} score, {since})"
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -2,31 +2,36 @@
 (against the rank's own best history).
 
 Scores are slowdown factors: 1.0 is "as fast as the reference", 1.2 is "20% slower". NaN marks a rank that did not
-report the section.
+report the section. A section that is only part of a rank's work (the wait for data, the optimizer) is scored by
+its *excess* over the reference as a share of the rank's whole work (:func:`excess_slowdowns`), so a data wait that
+grows from 1 ms to 2 ms in a 100 ms step scores 1.01, not 2.0: what it costs the job, not its own ratio.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["IndividualBaseline", "relative_slowdowns"]
+__all__ = ["IndividualBaseline", "excess_slowdowns", "leave_one_out_reference", "relative_slowdowns"]
 
 
-def relative_slowdowns(times: np.ndarray, reference: str = "median") -> np.ndarray:
-    """Each rank's time divided by the median (or the minimum) of the OTHER ranks' times.
+def leave_one_out_reference(times: np.ndarray, reference: str = "median", *, positive: bool = False) -> np.ndarray:
+    """Per rank, the median (or the minimum) of the OTHER ranks' times.
 
     Leaving the rank itself out keeps a single straggler from pulling its own reference up (with two ranks, the
-    reference of each is the other one). Common-mode jitter (a slow batch on every rank) cancels out.
+    reference of each is the other one).
 
     Args:
         times: seconds per rank, NaN where a rank has no sample.
         reference: ``"median"`` or ``"fastest"`` of the other ranks.
+        positive: only times > 0 count as samples (else times >= 0).
 
     Returns:
-        Slowdown per rank; NaN where the rank has no sample or no other rank has one.
+        The reference per rank; NaN where the rank has no sample or no other rank has one.
     """
     times = np.asarray(times, dtype=np.float64)
-    ok = times > 0  # NaN compares False
+    ok = times > 0 if positive else times >= 0  # NaN compares False
+    if times.size == 2 and ok.all():  # the common small case: each rank's reference is the other one
+        return times[::-1].copy()
     n = int(np.count_nonzero(ok))
     if n < 2:
         return np.full(times.shape, np.nan)
@@ -44,10 +49,40 @@ def relative_slowdowns(times: np.ndarray, reference: str = "median") -> np.ndarr
         if m % 2 == 0:
             ref = 0.5 * (ordered[j - 1 + (j - 1 >= pos)] + ref)
     if n == times.size:
-        return vals / ref
+        return np.asarray(ref, dtype=np.float64)
     out = np.full(times.shape, np.nan)
-    out[ok] = vals / ref
+    out[ok] = ref
     return out
+
+
+def relative_slowdowns(times: np.ndarray, reference: str = "median") -> np.ndarray:
+    """Each rank's time divided by the median (or the minimum) of the OTHER ranks' times
+    (:func:`leave_one_out_reference`); common-mode jitter (a slow batch on every rank) cancels out.
+
+    Returns:
+        Slowdown per rank; NaN where the rank has no sample or no other rank has one.
+    """
+    times = np.asarray(times, dtype=np.float64)
+    return times / leave_one_out_reference(times, reference, positive=True)
+
+
+def excess_slowdowns(times: np.ndarray, reference: np.ndarray, work_reference: np.ndarray) -> np.ndarray:
+    """``1 + (time - reference) / work_reference``: a section's excess over its reference, as a share of the work.
+
+    With ``times`` the whole work (``reference == work_reference``) this is ``time / reference``.
+
+    Args:
+        times: seconds in the section per rank (NaN: no sample).
+        reference: the section's reference seconds per rank (the other ranks', or the rank's own best).
+        work_reference: the reference seconds of the whole work (compute and data wait) per rank.
+
+    Returns:
+        Slowdown per rank (at least 0.001); NaN where a value is missing.
+    """
+    positive = work_reference > 0  # NaN compares False
+    denominator = np.where(positive, work_reference, 1.0)  # no division by zero: those ranks come out NaN
+    out = 1.0 + (np.asarray(times, np.float64) - reference) / denominator
+    return np.where(positive & np.isfinite(out), np.maximum(out, 1e-3), np.nan)
 
 
 class IndividualBaseline:
@@ -74,22 +109,23 @@ class IndividualBaseline:
 
     def update(self, times: np.ndarray, mask: np.ndarray) -> None:
         """Feed ``times`` of the ranks where ``mask`` is set (and the time is valid)."""
-        take = np.flatnonzero(mask & np.isfinite(times) & (times > 0))
+        take = np.flatnonzero(mask & np.isfinite(times) & (times >= 0))
         if take.size == 0:
             return
-        self._ring[self._count[take] % self.window, take] = np.log(times[take])
+        self._ring[self._count[take] % self.window, take] = times[take]
         self._count[take] += 1
         self._updates += 1
         if self._updates % self.refresh == 0:  # the baseline moves slowly: the step must not pay a median each time
             self._refresh()
 
     def _refresh(self) -> None:
-        full = np.flatnonzero(self._count >= self.window)
-        if full.size:
-            self.best[full] = np.fmin(self.best[full], np.exp(np.median(self._ring[:, full], axis=0)))
-        for rank in np.flatnonzero((self._count >= self.min_samples) & (self._count < self.window)).tolist():
-            level = float(np.exp(np.median(self._ring[: int(self._count[rank]), rank])))
-            self.best[rank] = min(level, self.best[rank]) if np.isfinite(self.best[rank]) else level
+        ready = np.flatnonzero(self._count >= self.min_samples)
+        if not ready.size:
+            return
+        ring = self._ring[:, ready]
+        median = np.median if np.all(self._count[ready] >= self.window) else np.nanmedian  # unfilled slots: NaN
+        level = median(ring, axis=0)
+        self.best[ready] = np.fmin(self.best[ready], level)
 
     def slowdowns(self, times: np.ndarray) -> np.ndarray:
         """``times`` divided by each rank's baseline (NaN until a rank has one)."""

@@ -1,8 +1,16 @@
-"""Per-rank timing of training steps and of named sections inside them.
+"""Per-rank timing of training steps, of named sections inside them, and of the gaps between them.
 
 Host sections are timed with a wall clock (injectable, so tests drive time by hand); on a GPU, sections can be timed
-with CUDA events instead (device time, read back lazily so timing never synchronizes the step). The wait for data
-between two steps is always host time: it is the host that waits.
+with CUDA events instead (device time, read back lazily so timing never synchronizes the step).
+
+Besides the sections a caller names, every step yields
+
+* ``step``: start of the step to its end;
+* ``data``: end of the previous step (or of the exchange after it) to the start of this one: the wait for the next
+  batch. With CUDA events it is the device's idle gap between the two steps, which is what a slow loader costs;
+* ``wait``: the collective wait inside the step (time blocked on other ranks), summed over the spans a probe marks
+  (see :mod:`lightning_resilience.straggler.probes`);
+* ``compute``: ``step - wait``, the rank's own work (forward, backward compute, optimizer, hooks).
 """
 
 from __future__ import annotations
@@ -15,12 +23,32 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["STEP", "DATA", "CudaEventSource", "StepTimer", "TimeSource", "WallClockSource"]
+__all__ = [
+    "BACKWARD",
+    "COMPUTE",
+    "DATA",
+    "FORWARD",
+    "OPTIMIZER",
+    "STEP",
+    "WAIT",
+    "CudaEventSource",
+    "StepTimer",
+    "TimeSource",
+    "WallClockSource",
+]
 
 STEP = "step"
-"""Name of the whole-step series (start of step to end of step)."""
+"""Whole step: its start to its end."""
 DATA = "data"
-"""Name of the data-wait series (end of the previous step to the start of this one)."""
+"""Wait for data: end of the previous step (after the exchange of timings) to the start of this one."""
+WAIT = "wait"
+"""Collective wait inside the step: time blocked on the other ranks (DDP's gradient sync, FSDP's gathers)."""
+COMPUTE = "compute"
+"""The rank's own work in the step: ``step - wait``."""
+FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+"""Sections the Lightning callback times from the trainer's hooks."""
+DERIVED = (COMPUTE,)
+"""Sections computed from the others, never opened by name."""
 
 
 class TimeSource(Protocol):
@@ -55,7 +83,8 @@ class WallClockSource:
 
 
 class CudaEventSource:
-    """CUDA events recorded on the current stream: device time, read back at collection time."""
+    """CUDA events recorded on the current stream: device time, read back at collection time (never waited for:
+    :meth:`StepTimer.collect` takes only the steps whose events have completed)."""
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():
@@ -77,11 +106,11 @@ class CudaEventSource:
 @dataclass
 class _PendingStep:
     spans: list[tuple[str, Any, Any]] = field(default_factory=list)
-    data_wait: float | None = None
 
 
 class StepTimer:
-    """Times steps and named sections; ``collect`` turns the finished steps into ``{section: seconds}`` records.
+    """Times steps, named sections and the gaps between steps; ``collect`` turns the finished steps into
+    ``{section: seconds}`` records.
 
     Example::
 
@@ -90,36 +119,35 @@ class StepTimer:
         with timer.section("forward"):
             loss = model(batch)
         timer.end_step()
-        timer.collect()  # [{"step": 0.012, "forward": 0.004, "data": 0.001}]
+        timer.collect()  # [{"step": 0.012, "forward": 0.004, "compute": 0.012, "data": 0.001}]
 
-    A section entered twice in one step counts the sum. Sections still open at ``end_step`` close there.
+    A section entered several times in one step counts the sum. Sections still open at ``end_step`` close there.
 
     Args:
-        source: marks for the step and its sections (default: the host wall clock ``clock``).
-        clock: host clock for the data wait, and for the sections when no ``source`` is given.
+        source: marks for the step, its sections and the gaps (default: the host wall clock ``clock``).
+        clock: host clock of the default source.
     """
 
     def __init__(self, source: TimeSource | None = None, *, clock: Callable[[], float] | None = None) -> None:
-        self.clock = clock or time.perf_counter
-        self.source: TimeSource = source or WallClockSource(self.clock)
+        self.source: TimeSource = source or WallClockSource(clock)
         self._current: _PendingStep | None = None
         self._step_start: Any = None
         self._open: dict[str, Any] = {}
         self._finished: list[_PendingStep] = []
-        self._last_end_host: float | None = None
+        self._idle_since: Any = None
 
     @property
     def in_step(self) -> bool:
         return self._current is not None
 
     def start_step(self) -> None:
-        now = self.clock()
         if self._current is not None:  # the previous step never ended (an exception, a skipped hook): drop it
             self._open.clear()
         self._current = _PendingStep()
-        if self._last_end_host is not None:
-            self._current.data_wait = max(0.0, now - self._last_end_host)
         self._step_start = self.source.mark()
+        if self._idle_since is not None:
+            self._current.spans.append((DATA, self._idle_since, self._step_start))
+            self._idle_since = None
 
     def begin(self, name: str) -> None:
         """Open section ``name`` (no-op outside a step)."""
@@ -135,6 +163,9 @@ class StepTimer:
         if start is None or self._current is None:
             return
         self._current.spans.append((name, start, self.source.mark()))
+
+    def is_open(self, name: str) -> bool:
+        return name in self._open
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
@@ -154,7 +185,13 @@ class StepTimer:
         self._current.spans.append((STEP, self._step_start, end))
         self._finished.append(self._current)
         self._current = None
-        self._last_end_host = self.clock()
+        self._idle_since = end
+
+    def mark_idle(self) -> None:
+        """The wait for the next batch starts now (after work between steps that is not a data wait, such as the
+        exchange of timings)."""
+        if self._current is None:
+            self._idle_since = self.source.mark()
 
     def cancel_step(self) -> None:
         """Forget the step in progress (e.g. a gradient-accumulation micro-batch that is not a full step)."""
@@ -163,7 +200,7 @@ class StepTimer:
 
     def reset_data_wait(self) -> None:
         """The next step's data wait is not measured (after a pause such as validation or a checkpoint)."""
-        self._last_end_host = None
+        self._idle_since = None
 
     def collect(self, *, wait: bool = False) -> list[dict[str, float]]:
         """Seconds per section of every step finished since the last call, oldest first.
@@ -179,9 +216,8 @@ class StepTimer:
             done += 1
             record: dict[str, float] = {}
             for name, start, end in pending.spans:
-                record[name] = record.get(name, 0.0) + self.source.elapsed(start, end)
-            if pending.data_wait is not None:
-                record[DATA] = record.get(DATA, 0.0) + pending.data_wait
+                record[name] = record.get(name, 0.0) + max(0.0, self.source.elapsed(start, end))
+            record[COMPUTE] = max(0.0, record[STEP] - record.get(WAIT, 0.0))
             out.append(record)
         del self._finished[:done]
         return out

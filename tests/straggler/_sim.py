@@ -1,7 +1,9 @@
 """In-process multi-rank harness: N real detectors, each with its own fake clock, exchanging payloads in lockstep.
 
 ``prepare`` on every rank, then ``consume`` of the same payload list on every rank: exactly what ``end_step`` does
-with a real all-gather, without processes or sleeps.
+with a real all-gather, without processes or sleeps. Steps are synchronous as under DDP: after its data wait and
+its compute, every rank waits in a collective (the ``wait`` section) until the slowest rank arrives, so every rank's
+step period is the same and only ``compute`` and ``data`` tell the ranks apart.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from lightning_resilience.config.straggler import StragglerConfig
-from lightning_resilience.straggler import Decision, StragglerDetector, Verdict
+from lightning_resilience.straggler import WAIT, Decision, StragglerDetector, Verdict
+from lightning_resilience.straggler.config import StragglerConfig
 
 
 class FakeClock:
@@ -88,25 +90,32 @@ class Cluster:
         self.decisions: list[list[tuple[int, Decision]]] = [[] for _ in range(world)]
         self.step = 0
 
-    def run(self, steps: int, cost: CostFn, *, section: str | None = None) -> None:
-        """``steps`` training steps; ``cost`` is spent inside ``section`` if given (else in the step)."""
+    def run(self, steps: int, cost: CostFn, *, section: str | None = None, data: CostFn | None = None) -> None:
+        """``steps`` synchronous training steps; ``cost`` is each rank's compute (spent inside ``section`` if given),
+        ``data`` its wait for the batch (default 1 ms); then a collective waits for the slowest rank."""
         for _ in range(steps):
             payloads = []
+            data_s = [data(r, self.step) if data is not None else 0.001 for r in range(len(self.detectors))]
+            own = [cost(r, self.step) for r in range(len(self.detectors))]
+            arrival = max(d + c for d, c in zip(data_s, own))
             for r, (det, clock) in enumerate(zip(self.detectors, self.clocks)):
-                clock.advance(0.001)  # data wait
+                clock.advance(data_s[r])
                 det.start_step()
                 if section is not None:
                     with det.section(section):
-                        clock.advance(cost(r, self.step))
-                    clock.advance(0.01)  # the rest of the step (a collective: equal on every rank)
+                        clock.advance(own[r])
                 else:
-                    clock.advance(cost(r, self.step))
+                    clock.advance(own[r])
+                with det.section(WAIT):  # the gradient all-reduce: done when the slowest rank arrives
+                    clock.advance(arrival - data_s[r] - own[r] + 0.002)
                 det.timer.end_step()
                 payloads.append(det.prepare(self.step))
             if payloads[0] is not None:
                 assert all(p is not None for p in payloads), "ranks disagree on the gather step"
                 for r, det in enumerate(self.detectors):
                     self.decisions[r] += [(self.step, d) for d in det.consume(self.step, payloads)]
+            for det in self.detectors:
+                det.timer.mark_idle()
             self.step += 1
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_resilience.config.straggler import StragglerConfig, StragglerLevelConfig
+from lightning_resilience.straggler.config import StragglerConfig, StragglerLevelConfig
 
 
 @pytest.mark.parametrize(

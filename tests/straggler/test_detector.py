@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_resilience.config.straggler import StragglerConfig, StragglerLevelConfig
 from lightning_resilience.straggler import Action, StragglerDetector, StragglerGatherError, Verdict
+from lightning_resilience.straggler.config import StragglerConfig, StragglerLevelConfig
 from tests.straggler._sim import Cluster, FakeClock, jitter_cost
 
 STOP_LADDER = [
@@ -29,12 +29,13 @@ def test_slow_rank_named_with_node_section_and_factor_within_bound(seed: int) ->
     verdicts = cluster.verdicts
     assert verdicts, "no verdict"
     v = verdicts[0]
-    assert (v.rank, v.node, v.node_index, v.section, v.score) == (
+    assert (v.rank, v.node, v.node_index, v.section, v.score, v.scope) == (
         slow,
         f"node{slow // 2}",
         slow // 2,
-        "step",
+        "compute",
         "relative",
+        "rank",
     )
     assert onset <= v.step <= onset + 4  # at most 5 slow steps observed
     assert 1.1 <= v.slowdown <= 1.35
@@ -123,7 +124,7 @@ def test_report_is_json_and_summary_names_the_straggler() -> None:
     det = cluster.detectors[0]
     report = json.loads(json.dumps(det.report()))
     assert report["verdicts"][0]["rank"] == 1 and report["should_stop"] is True
-    assert report["sections"]["step"]["relative_max"][1] > 1.4
+    assert report["sections"]["compute"]["relative_max"][1] > 1.4
     assert all(math.isfinite(v) for v in report["step_time_median_s"])
     summary = det.summary()
     assert "rank 1 (node 0, node0) is" in summary and "STOP" in summary
@@ -154,3 +155,49 @@ def test_plot_is_skipped_cleanly_without_matplotlib(tmp_path: Path) -> None:
     else:
         out = cluster.detectors[0].plot(tmp_path / "p.png")
         assert out is not None and out.stat().st_size > 0
+
+
+def test_data_slow_rank_is_named_in_data_while_every_step_is_equalised() -> None:
+    cluster = Cluster(4, StragglerConfig())
+
+    def data(rank: int, step: int) -> float:
+        return 0.001 + (0.05 if rank == 3 and step >= 60 else 0.0)  # half a compute step more: 1.5x its work
+
+    cluster.run(80, jitter_cost(12), data=data)
+    (v,) = cluster.verdicts
+    assert (v.rank, v.section, v.scope) == (3, "data", "rank") and 60 <= v.step <= 64
+    assert 1.3 <= v.slowdown <= 1.7
+    last = cluster.detectors[0].history[-1][1]
+    periods = [s + d for s, d in zip(last["step"], last["data"])]
+    assert max(periods) / min(periods) < 1.01  # the collective made every rank's step period equal
+
+
+def test_job_wide_slowdown_is_one_job_verdict_and_no_rank_is_blamed() -> None:
+    cluster = Cluster(4, StragglerConfig())
+    cost = jitter_cost(13)
+    cluster.run(120, lambda rank, step: cost(rank, step) * (1.5 if step >= 80 else 1.0))
+    (v,) = cluster.verdicts
+    assert (v.scope, v.rank, v.section, v.score) == ("job", -1, "work", "individual")
+    assert 80 <= v.step <= 85 and 1.3 <= v.slowdown <= 1.7
+    assert "the whole job is" in v.describe()
+    actions = {d.action for _, d in cluster.decisions[0]}
+    assert actions <= {Action.LOG, Action.ALERT}  # no rank to exclude or restart without
+
+
+def test_noise_level_confirmation_is_listed_but_never_acted_on() -> None:
+    loud = Cluster(2, StragglerConfig(noise_level=100.0))  # nothing can stand out of the jitter
+    loud.run(90, jitter_cost(4, slow_rank=1, factor=1.5, onset=50))
+    det = loud.detectors[0]
+    assert det.verdicts == [] and det.decisions == [] and det.active == []
+    assert [(v.rank, v.section) for v in det.noise_level] == [(1, "compute")]
+    assert "noise-level confirmation(s), not verdicts" in det.summary()
+    assert det.report()["noise_level"][0]["rank"] == 1 and det.report()["verdicts"] == []
+    quiet = Cluster(2, StragglerConfig())  # the same run with the default: a verdict, nothing noise-level
+    quiet.run(90, jitter_cost(4, slow_rank=1, factor=1.5, onset=50))
+    assert [(v.rank, v.section) for v in quiet.verdicts] == [(1, "compute")] and quiet.detectors[0].noise_level == []
+
+
+def test_clean_run_with_heavy_jitter_has_no_verdict() -> None:
+    cluster = Cluster(2, StragglerConfig())
+    cluster.run(2000, jitter_cost(21, sigma=0.15, common_sigma=0.1))
+    assert cluster.verdicts == [], [v.describe() for v in cluster.verdicts]

@@ -16,9 +16,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.memory import MemoryTier
-from lightning_resilience.config.straggler import StragglerConfig, StragglerLevelConfig
 from lightning_resilience.lightning.callbacks.straggler import STRAGGLER_EXIT_CODE, StragglerDetection
 from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
+from lightning_resilience.straggler.config import StragglerConfig, StragglerLevelConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,7 +75,7 @@ LADDER = [
 def test_stop_decision_checkpoints_and_stops_with_exit_code(tmp_path: Path) -> None:
     _NOW[0] = 0.0
     onset = 40
-    cb = StragglerDetection(StragglerConfig(warmup_steps=2, sections=["step", "forward"], levels=LADDER),
+    cb = StragglerDetection(StragglerConfig(warmup_steps=2, sections=["compute", "forward"], levels=LADDER),
                             clock=fake_clock)  # fmt: skip
     pickle.loads(pickle.dumps(cb))  # ddp_spawn pickles callbacks
     local = LocalTier(tmp_path / "ckpt", every_n_steps=1000, keep=2)
@@ -89,11 +89,11 @@ def test_stop_decision_checkpoints_and_stops_with_exit_code(tmp_path: Path) -> N
     assert cb.checkpointed_at_stop and cb.stopped_at_step in local.list_steps()
     detector = cb.detector
     assert detector is not None and detector.mode == "individual"
-    assert {v.section for v in detector.verdicts} <= {"step", "forward"} and detector.verdicts
-    assert [d.action.value for d in detector.decisions if d.verdict.section == "step"] == ["alert", "stop"]
-    metrics = trainer.callback_metrics
+    assert {v.section for v in detector.verdicts} <= {"compute", "forward"} and detector.verdicts
+    assert [d.action.value for d in detector.decisions if d.verdict.section == "compute"] == ["alert", "stop"]
+    metrics = cb.last_metrics
     assert metrics["resilience/straggler/verdicts"] >= 1
-    assert metrics["resilience/straggler/step/max_score"] > 1.3
+    assert metrics["resilience/straggler/compute/max_score"] > 1.3
     assert metrics["resilience/straggler/alerts"] >= 1
     assert "resilience/straggler/forward/score/rank_0" in metrics
     assert "stopped at step" in cb.summary() and f"exit code {STRAGGLER_EXIT_CODE}" in cb.summary()
@@ -109,7 +109,7 @@ def test_steady_run_trains_to_the_end_without_decisions() -> None:
     trainer.fit(SlowingModel(onset=10**9, factor=1.0))
     assert trainer.global_step == 60 and cb.exit_code is None
     assert cb.detector is not None and cb.detector.verdicts == [] and cb.detector.gathers == 58
-    assert trainer.callback_metrics["resilience/straggler/verdicts"] == 0
+    assert cb.last_metrics["resilience/straggler/verdicts"] == 0
 
 
 class RecordEnd(Callback):
@@ -129,6 +129,7 @@ class RecordEnd(Callback):
             "mode": det.mode,
             "verdict_ranks": [v.rank for v in det.verdicts],
             "decisions": [d.to_dict() for d in det.decisions],
+            "metrics": cb.last_metrics,
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
@@ -169,4 +170,4 @@ def test_ddp_spawn_two_ranks_name_the_slow_one_and_both_stop(tmp_path: Path) -> 
     assert {r["exit_code"] for r in records} == {STRAGGLER_EXIT_CODE}
     steps = {r["global_step"] for r in records}
     assert len(steps) == 1 and 30 < steps.pop() <= 30 + 12
-    assert trainer.callback_metrics["resilience/straggler/step/slowest_rank"] == 1
+    assert records[0]["metrics"]["resilience/straggler/compute/slowest_rank"] == 1

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from lightning_resilience.config.straggler import StragglerConfig, StragglerLevelConfig
 from lightning_resilience.straggler import StragglerDetector
+from lightning_resilience.straggler.config import StragglerConfig, StragglerLevelConfig
 from tests._ranks import run_ranks
 from tests.straggler._sim import FakeClock, jitter_cost
 
@@ -78,7 +78,7 @@ def test_slow_rank_named_within_bound_and_stop_reaches_every_rank(tmp_path: Path
     first = results[0]
     assert first["world"] == WORLD and first["mode"] == "relative" and len(first["nodes"]) == WORLD
     verdict = first["verdicts"][0]
-    assert verdict["rank"] == slow and verdict["section"] == "step"
+    assert verdict["rank"] == slow and verdict["section"] == "compute"
     assert verdict["node_index"] == slow  # LOCAL_WORLD_SIZE=1: one rank per node
     assert onset <= verdict["step"] <= onset + MAX_LATENCY - 1, (onset, verdict)
     assert all(v["rank"] == slow for v in first["verdicts"])

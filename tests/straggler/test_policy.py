@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_resilience.config.straggler import StragglerLevelConfig
+from lightning_resilience.straggler.config import StragglerLevelConfig
 from lightning_resilience.straggler.policy import Action, ActionLadder, Verdict
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_resilience.straggler.timing import DATA, STEP, CudaEventSource, StepTimer
+from lightning_resilience.straggler.timing import COMPUTE, DATA, STEP, WAIT, CudaEventSource, StepTimer
 from tests.straggler._sim import FakeClock
 
 
@@ -23,9 +23,31 @@ def test_step_sections_and_data_wait() -> None:
     clock.advance(1.0)
     timer.end_step()  # closes the open section
     first, second = timer.collect()
-    assert first == {"forward": 0.25, STEP: 0.75}
-    assert second == {"optimizer": 1.0, STEP: 1.0, DATA: 0.125}
+    assert first == {"forward": 0.25, STEP: 0.75, COMPUTE: 0.75}
+    assert second == {"optimizer": 1.0, STEP: 1.0, COMPUTE: 1.0, DATA: 0.125}
     assert timer.collect() == []
+
+
+def test_compute_is_the_step_without_its_collective_waits_and_data_starts_after_the_exchange() -> None:
+    clock = FakeClock()
+    timer = StepTimer(clock=clock)
+    timer.start_step()
+    clock.advance(0.3)  # forward
+    with timer.section(WAIT):
+        clock.advance(0.1)  # a buffer broadcast
+    clock.advance(0.4)  # backward compute
+    with timer.section(WAIT):
+        clock.advance(0.5)  # the gradient all-reduce waits for a slower rank
+    timer.end_step()
+    clock.advance(0.2)  # exchange of timings: not a data wait
+    timer.mark_idle()
+    clock.advance(0.05)
+    timer.start_step()
+    timer.end_step()
+    first, second = timer.collect()
+    assert first[STEP] == pytest.approx(1.3) and first[WAIT] == pytest.approx(0.6)
+    assert first[COMPUTE] == pytest.approx(0.7)
+    assert second[DATA] == pytest.approx(0.05)
 
 
 def test_repeated_section_sums_and_nesting_same_name_fails() -> None:

@@ -1,5 +1,6 @@
-"""StragglerDetection: time every training step on every rank, find the rank that slows the job down, and act on it
-(log, alert, exclude through a user hook, or checkpoint and stop with a distinct exit code)."""
+"""StragglerDetection: time every training step on every rank with the collective waits taken out, find the rank
+that slows the job down and its slow component (compute or data), report a job-wide slowdown, and act on it (log,
+alert, exclude through a user hook, or checkpoint and stop with a distinct exit code)."""
 
 from __future__ import annotations
 
@@ -20,25 +21,29 @@ from lightning_resilience.policy import Event
 from lightning_resilience.straggler.config import StragglerConfig
 from lightning_resilience.straggler.detector import StragglerDetector
 from lightning_resilience.straggler.policy import STRAGGLER_EXIT_CODE, Action, Decision, Verdict
+from lightning_resilience.straggler.timing import BACKWARD, FORWARD, OPTIMIZER
 
 __all__ = ["STRAGGLER_EXIT_CODE", "StragglerDetection"]
 
 log = logging.getLogger(__name__)
 
-FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
-
 
 class StragglerDetection(Callback):
-    """Per-rank step timing, cross-rank scores and change-point verdicts, with an action ladder.
+    """Per-rank step timing with the collective waits taken out, cross-rank scores and change-point verdicts, with an
+    action ladder.
 
-    The callback times the whole batch (``on_train_batch_start`` to ``on_train_batch_end``) and, from the hooks
-    Lightning calls inside it, the sections ``forward`` (to ``on_before_backward``), ``backward`` (to
-    ``on_after_backward``) and ``optimizer`` (``on_before_optimizer_step`` to the batch end); the wait for data is
-    the time from one batch end to the next batch start. Add your own sections with ``with callback.section("x"):``
-    and list the series to test in ``StragglerConfig.sections``. Under DDP the gradient all-reduce makes whole-step
-    times equal on all ranks, so test ``forward`` (or ``optimizer``, ``data``) to name the slow rank::
+    The callback times the whole batch (``on_train_batch_start`` to ``on_train_batch_end``: ``step``) and the
+    collective waits inside it (``wait``: DDP's gradient sync at the end of backward and its buffer broadcast before
+    forward, FSDP's parameter gathers before each module's forward; see
+    :mod:`lightning_resilience.straggler.probes`), so that ``compute = step - wait`` is the rank's own work; the wait
+    for data (``data``) is the time from the end of one batch (after the exchange of timings) to the next batch
+    start. By default ``compute`` and ``data`` are tested, so a verdict names the slow rank *and* its slow
+    component under DDP, FSDP or on one device; a job-wide slowdown (every rank slower than its own history) is a
+    job verdict. The hooks Lightning calls inside the batch also give ``forward`` (to ``on_before_backward``),
+    ``backward`` (to ``on_after_backward``) and ``optimizer`` (``on_before_optimizer_step`` to the batch end); add
+    your own with ``with callback.section("x"):`` and list the series to test in ``StragglerConfig.sections``::
 
-        detector = StragglerDetection(StragglerConfig(sections=["step", "forward"], levels=[
+        detector = StragglerDetection(StragglerConfig(levels=[
             StragglerLevelConfig(action="alert", slowdown=1.2, persist_steps=5),
             StragglerLevelConfig(action="stop", slowdown=1.5, persist_steps=50)]))
         trainer = Trainer(callbacks=[TieredCheckpoint(tiers=...), detector])
@@ -49,11 +54,15 @@ class StragglerDetection(Callback):
     current step through the ``TieredCheckpoint`` among the trainer's callbacks, if any, then sets
     ``trainer.should_stop`` and records :data:`STRAGGLER_EXIT_CODE` in ``exit_code``.
 
+    Metrics go to the trainer's loggers every ``log_every_n_steps`` steps and whenever a decision is taken, from
+    values already on the host (no device tensor is made or read for them); ``last_metrics`` holds the latest ones.
+
     Args:
         config: detection, cadence and ladder settings.
         exclude_hook: called on every rank with the verdict when an 'exclude' level fires.
-        plot_path: where rank 0 writes a PNG of per-rank step times at the end of fit (needs matplotlib).
+        plot_path: where rank 0 writes a PNG of per-rank compute and data times at the end of fit (needs matplotlib).
         max_logged_ranks: per-rank score metrics are logged for at most this many ranks.
+        log_every_n_steps: metrics cadence (Lightning's default cadence).
         clock: host clock for the timings (tests inject a fake one; must be picklable under ddp_spawn).
     """
 
@@ -64,14 +73,18 @@ class StragglerDetection(Callback):
         exclude_hook: Callable[[Verdict], None] | None = None,
         plot_path: str | Path | None = None,
         max_logged_ranks: int = 64,
+        log_every_n_steps: int = 50,
         clock: Callable[[], float] | None = None,
     ) -> None:
+        if log_every_n_steps < 1:
+            raise ValueError(f"straggler.log_every_n_steps must be >= 1, got {log_every_n_steps}")
         self.config = config or StragglerConfig()
         if any(lvl.action == "exclude" for lvl in self.config.levels) and exclude_hook is None:
             raise ValueError("straggler.levels has an 'exclude' level but no exclude_hook was given")
         self.exclude_hook = exclude_hook
         self.plot_path = Path(plot_path) if plot_path is not None else None
         self.max_logged_ranks = max_logged_ranks
+        self.log_every_n_steps = log_every_n_steps
         self.clock = clock
         self.detector: StragglerDetector | None = None
         self.exit_code: int | None = None
@@ -79,7 +92,9 @@ class StragglerDetection(Callback):
         self.stopped_at_step: int | None = None
         self.checkpointed_at_stop = False
         self.plot_file: Path | None = None
-        self._gathers_logged = 0
+        self._logged_at: int | None = None
+        self.last_metrics: dict[str, float] = {}
+        self.parallelism = "none"
         self._previous: list[dict[str, Any]] = []  # decisions of earlier runs of this job (from a checkpoint)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -108,6 +123,20 @@ class StragglerDetection(Callback):
             self.detector = StragglerDetector(self.config, **kwargs)
 
     @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.detector is None:
+            return
+        # the strategy has wrapped the model by now (DDP, FSDP): probe its collective waits
+        self.parallelism = self.detector.attach(trainer.strategy.model or pl_module)
+        auto = self.config.sections is None
+        if auto and trainer.world_size > 1 and self.parallelism == "none" and trainer.is_global_zero:
+            log.warning(
+                "straggler: the collective waits of %s are not measured, so 'compute' includes them and the slow "
+                "rank may not stand out; name sections without collectives in straggler.sections",
+                type(trainer.strategy).__name__,
+            )
+
+    @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.detector is not None:
             self.detector.timer.reset_data_wait()  # the dataloader restarts: not a data stall
@@ -129,10 +158,12 @@ class StragglerDetection(Callback):
         if self.detector is not None:
             self.detector.end(FORWARD)
             self.detector.begin(BACKWARD)
+            self.detector.arm_backward(loss)
 
     @override
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.detector is not None:
+            self.detector.backward_done()
             self.detector.end(BACKWARD)
 
     @override
@@ -149,9 +180,7 @@ class StragglerDetection(Callback):
             return
         detector.end(FORWARD)  # manual optimization calls none of the hooks in between: the batch is all forward
         decisions = detector.end_step(trainer.global_step)  # collective at gather steps
-        if detector.gathers != self._gathers_logged:
-            self._gathers_logged = detector.gathers
-            self._log_metrics(trainer, pl_module, decisions)
+        self._maybe_log_metrics(trainer, decisions)
         if detector.should_stop and self.exit_code is None and not self._posted:
             assert detector.stop_decision is not None
             policy = find_policy(trainer)
@@ -200,9 +229,15 @@ class StragglerDetection(Callback):
         self.exit_code = STRAGGLER_EXIT_CODE
         self.stopped_at_step = step
 
-    def _log_metrics(self, trainer: Trainer, pl_module: LightningModule, decisions: list[Decision]) -> None:
+    def _maybe_log_metrics(self, trainer: Trainer, decisions: list[Decision]) -> None:
+        """At the trainer's logging cadence (or when something was decided), the latest scores to its loggers."""
         detector = self.detector
         assert detector is not None
+        step = trainer.global_step
+        due = self._logged_at is None or step - self._logged_at >= self.log_every_n_steps
+        if not (detector.gathers and (due or decisions)):
+            return
+        self._logged_at = step
         metrics: dict[str, float] = {}
         for name in detector.sections:
             scores = detector.scores(name)
@@ -216,13 +251,17 @@ class StragglerDetection(Callback):
             for v, r in finite:
                 if r < self.max_logged_ranks:
                     metrics[f"resilience/straggler/{name}/score/rank_{r}"] = v
+        if math.isfinite(detector.scoreboard.job_last):
+            metrics["resilience/straggler/job/slowdown"] = detector.scoreboard.job_last
         metrics["resilience/straggler/verdicts"] = float(len(detector.verdicts))
+        metrics["resilience/straggler/noise_level"] = float(len(detector.noise_level))
         metrics["resilience/straggler/active"] = float(len(detector.active))
         metrics["resilience/straggler/alerts"] = float(sum(d.action is Action.ALERT for d in detector.decisions))
         metrics["resilience/straggler/new_decisions"] = float(len(decisions))
-        # identical on every rank (computed from the same gathered timings): no sync needed
-        logger = bool(trainer.loggers)
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, logger=logger, prog_bar=False, sync_dist=False)
+        self.last_metrics = metrics
+        # host floats straight to the loggers (rank-zero only): no device tensor per value, no sync
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
 
     # ------------------------------------------------------------------ state and report
     @override

@@ -1,0 +1,137 @@
+"""From change points to findings: each confirmed episode becomes a verdict once its slowdown stands out of the
+series' jitter (until then it is a noise-level confirmation, listed but never acted on), and the action ladder turns
+a verdict that persists into decisions, which every rank carries out at the same step."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from lightning_resilience.straggler.changepoint import ChangePointEvents, RobustCusum
+from lightning_resilience.straggler.config import StragglerConfig
+from lightning_resilience.straggler.policy import Action, ActionLadder, Decision, Verdict
+from lightning_resilience.straggler.scoreboard import JOB
+
+__all__ = ["Episodes"]
+
+log = logging.getLogger(__name__)
+
+
+class Episodes:
+    """Verdicts, noise-level confirmations, the ladders (per rank, and one for the job with its log/alert levels
+    only) and the decisions taken.
+
+    Args:
+        config: ``noise_level`` and the ladder's levels.
+        rank: this rank (only rank 0 logs).
+        exclude_hook: called with the verdict when an 'exclude' level fires.
+    """
+
+    def __init__(
+        self, config: StragglerConfig, rank: int, exclude_hook: Callable[[Verdict], None] | None = None
+    ) -> None:
+        self.config, self.rank, self.exclude_hook = config, rank, exclude_hook
+        self.ladder = ActionLadder(config.levels)
+        self.job_ladder = ActionLadder([lvl for lvl in config.levels if lvl.action in ("log", "alert")])
+        self.verdicts: list[Verdict] = []
+        self.noise_level: list[Verdict] = []
+        """Noise-level confirmations, the first of each streak."""
+        self.noise_level_count = 0
+        self._noise_last: dict[tuple[int, str], int] = {}
+        self.decisions: list[Decision] = []
+        self.should_stop = False
+        self.stop_decision: Decision | None = None
+
+    @property
+    def active(self) -> list[Verdict]:
+        """Verdicts whose episode is still going on (stragglers, then a job-wide slowdown)."""
+        return self.ladder.active + self.job_ladder.active
+
+    def _ladder(self, rank: int) -> ActionLadder:
+        return self.job_ladder if rank == JOB else self.ladder
+
+    def update(
+        self,
+        i: int,
+        rank: int,
+        section: str,
+        step: int,
+        previous: int | None,
+        events: ChangePointEvents,
+        cusum: RobustCusum,
+        *,
+        score: str,
+        nodes: Sequence[str],
+        node_index: Sequence[int],
+    ) -> list[Decision]:
+        """The flagged episode of series ``i`` (``rank`` in ``section``) after a change-point update: when just
+        confirmed, a verdict if its slowdown stands out of the series' jitter, else a noise-level confirmation that
+        is listed and dismissed (the test starts over); then the ladder of a verdict decides."""
+        slowdown, scale = float(events.slowdown[i]), float(cusum.scale[i])
+        if bool(np.isin(i, events.started)):
+            verdict = Verdict(
+                rank=rank,
+                node=nodes[rank] if rank != JOB else "",
+                node_index=node_index[rank] if rank != JOB else -1,
+                section=section,
+                slowdown=slowdown,
+                score=score,
+                step=step,
+                onset_step=cusum.onset(i),
+                noise=math.expm1(scale) if math.isfinite(scale) else math.nan,
+                scope="job" if rank == JOB else "rank",
+            )
+            if not (math.isfinite(slowdown) and math.log(slowdown) >= self.config.noise_level * scale):
+                cusum.dismiss(step, np.array([i]))
+                self._noise_level(verdict)
+                return []
+            self.verdicts.append(verdict)
+            self._ladder(rank).start(verdict, previous)
+        if not math.isfinite(slowdown):
+            return []
+        return self._ladder(rank).observe(rank, section, step, slowdown)
+
+    def _noise_level(self, verdict: Verdict) -> None:
+        """List a noise-level confirmation once per streak (a series hovering in its jitter re-alarms often)."""
+        self.noise_level_count += 1
+        key = (verdict.rank, verdict.section)
+        last = self._noise_last.get(key)
+        self._noise_last[key] = verdict.step
+        if last is not None and verdict.step - last <= 4 * self.config.confirm_steps * self.config.gather_every_n_steps:
+            return
+        self.noise_level.append(verdict)
+        if self.rank == 0:
+            log.info("straggler: noise-level, not a verdict: %s", verdict.describe())
+
+    def ended(self, rank: int, section: str, step: int) -> None:
+        """The episode of ``(rank, section)`` is over (the series is back within its hysteresis)."""
+        ladder = self._ladder(rank)
+        was_verdict = any(v.rank == rank and v.section == section for v in ladder.active)
+        ladder.end(rank, section)
+        if was_verdict and self.rank == 0:
+            who = "the job" if rank == JOB else f"rank {rank}"
+            log.info("straggler: %s is back to normal in '%s' at step %d", who, section, step)
+
+    def act(self, decisions: list[Decision]) -> None:
+        """Carry out ``decisions`` (every rank calls it with the same ones)."""
+        for decision in decisions:
+            verdict = decision.verdict
+            if decision.action is Action.LOG:
+                if self.rank == 0:
+                    log.warning("straggler: %s", verdict.describe())
+            elif decision.action is Action.ALERT:
+                if self.rank == 0:
+                    log.error("straggler ALERT: %s (persisted %d steps)", verdict.describe(), decision.persist_steps)
+            elif decision.action is Action.EXCLUDE:
+                assert self.exclude_hook is not None  # checked at construction
+                self.exclude_hook(verdict)
+            elif decision.action is Action.STOP:
+                if self.rank == 0:
+                    log.error("straggler STOP: %s; checkpoint and stop: restart without it", verdict.describe())
+                self.should_stop = True
+                if self.stop_decision is None:
+                    self.stop_decision = decision
+        self.decisions += decisions

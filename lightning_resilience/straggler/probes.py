@@ -1,0 +1,144 @@
+"""Collective-wait probes: mark, inside a step, the spans a rank spends blocked on the other ranks.
+
+Under data parallelism the gradient all-reduce makes every rank's step as long as the slowest one's: the fast ranks
+wait. Telling the slow rank apart needs the wait taken out of the step, leaving each rank's own work
+(``compute = step - wait``). The probes mark these spans as the ``wait`` section of the step timer:
+
+* **backward**: at the start of backward a hook on the loss queues an autograd *final callback*; the engine runs it
+  once the whole graph has executed (all local gradients computed) and before the callbacks that DDP and FSDP queue
+  later in the pass, which block until their gradient collectives are done. The wait is from that callback to the
+  return of backward (:meth:`WaitProbe.backward_done`). No communication hook is used, so the probe composes with
+  any hook (ordered all-reduce, SDC fingerprints, compression).
+* **forward**: a wrapper that syncs before running its module (DDP's buffer broadcast, FSDP1's unshard) is timed
+  from a forward pre-hook on the wrapper to one on the wrapped module; an FSDP2 module from a pre-hook placed before
+  FSDP's own pre-forward (which waits for the parameter all-gather) to one placed after it.
+
+Host marks come from the timer's source: with CUDA events the spans are device time (recorded on the current
+stream, never waited for), so a wait the device spends on a collective is measured as the device sees it.
+
+Left in ``compute``: collectives the probes cannot see, e.g. a ``self.log(..., sync_dist=True)`` inside the
+forward, FSDP's unshard waits inside backward, tensor-parallel collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_resilience.straggler.timing import WAIT, StepTimer
+
+__all__ = ["WaitProbe", "find_parallelism"]
+
+log = logging.getLogger(__name__)
+
+
+def _fsdp2_module_type() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return None
+    return FSDPModule  # type: ignore[no-any-return]
+
+
+def _fsdp1_module_type() -> type | None:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover
+        return None
+    return FullyShardedDataParallel
+
+
+def find_parallelism(model: nn.Module) -> str:
+    """``"ddp"``, ``"fsdp"`` (FSDP1 or FSDP2 modules inside ``model``) or ``"none"``."""
+    if isinstance(model, DistributedDataParallel):
+        return "ddp"
+    kinds = tuple(t for t in (_fsdp2_module_type(), _fsdp1_module_type()) if t is not None)
+    if kinds and any(isinstance(m, kinds) for m in model.modules()):
+        return "fsdp"
+    return "none"
+
+
+class WaitProbe:
+    """Marks collective waits on ``timer`` (section ``wait``); see the module docstring.
+
+    Example (plain torch)::
+
+        probe = WaitProbe(timer)
+        probe.attach(ddp_model)
+        timer.start_step()
+        loss = ddp_model(batch)
+        probe.arm_backward(loss)
+        loss.backward()
+        probe.backward_done()
+        opt.step()
+        timer.end_step()
+    """
+
+    def __init__(self, timer: StepTimer) -> None:
+        self.timer = timer
+        self.parallelism = "none"
+        self._handles: list[Any] = []
+        self._queue_callback: Callable[[Callable[[], None]], None] | None = _final_callback_queue()
+
+    def attach(self, model: nn.Module) -> str:
+        """Hook the waits of ``model``'s wrappers; returns what was found (:func:`find_parallelism`)."""
+        self.detach()
+        self.parallelism = find_parallelism(model)
+        fsdp2, fsdp1 = _fsdp2_module_type(), _fsdp1_module_type()
+        if isinstance(model, DistributedDataParallel):
+            self._pair_around(model, model.module)
+        for module in model.modules():
+            if fsdp2 is not None and isinstance(module, fsdp2):
+                self._handles.append(module.register_forward_pre_hook(self._enter, prepend=True))
+                self._handles.append(module.register_forward_pre_hook(self._leave))
+            elif fsdp1 is not None and isinstance(module, fsdp1):
+                inner = module.module  # FSDP1 unshards in forward, then calls the wrapped module
+                assert isinstance(inner, nn.Module)
+                self._pair_around(module, inner)
+        return self.parallelism
+
+    def _pair_around(self, wrapper: nn.Module, inner: nn.Module) -> None:
+        self._handles.append(wrapper.register_forward_pre_hook(self._enter, prepend=True))
+        self._handles.append(inner.register_forward_pre_hook(self._leave))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _enter(self, *_: Any) -> None:
+        if self.timer.in_step and not self.timer.is_open(WAIT):
+            self.timer.begin(WAIT)
+
+    def _leave(self, *_: Any) -> None:
+        self.timer.end(WAIT)
+
+    def arm_backward(self, loss: torch.Tensor) -> None:
+        """Call just before ``loss.backward()``: the wait opens once the local gradients are all computed."""
+        if self._queue_callback is None or not self.timer.in_step:
+            return
+        if not (isinstance(loss, torch.Tensor) and loss.requires_grad and loss.grad_fn is not None):
+            return
+        queue = self._queue_callback
+
+        def started(grad: torch.Tensor) -> None:
+            queue(self._enter)  # runs after the graph, before DDP's/FSDP's own final callbacks (queued later)
+
+        loss.register_hook(started)
+
+    def backward_done(self) -> None:
+        """Call when backward has returned (gradient collectives done): the wait closes."""
+        self.timer.end(WAIT)
+
+
+def _final_callback_queue() -> Callable[[Callable[[], None]], None] | None:
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if queue is None:  # pragma: no cover - every torch >= 1.x has it (DDP and FSDP rely on it)
+        log.warning("straggler: torch has no autograd final callbacks: the backward collective wait is not measured")
+    return queue
