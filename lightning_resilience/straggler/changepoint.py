@@ -7,8 +7,9 @@ accumulates ``min(clip, (y - k) / sigma)`` and alarms when the sum reaches ``h``
   that is steadily 2-3% slower than its peers (different silicon) drifts down, not up;
 * ``sigma`` is the rank's robust noise scale, 1.4826 x the median absolute deviation of its recent in-control
   samples (never below ``noise_floor``, refreshed every ``MIN_HISTORY`` updates; the largest of the last
-  ``_SCALE_MEMORY`` estimates, so a window that happens to be calm does not make ordinary jitter look like a
-  shift), so the test adapts to how noisy the job is;
+  ``_SCALE_MEMORY`` estimates, each taken on its upper side, ``x (1 + 1/sqrt(n))`` for ``n`` samples, so a
+  window that happens to be calm, or the short history at the start of a run, does not make ordinary jitter look
+  like a shift), so the test adapts to how noisy the job is;
 * ``clip`` bounds what one sample adds, so one spike alone cannot reach ``h``.
 
 An alarm becomes a verdict only when the last ``confirm_steps`` samples, all but one (with ``confirm_steps >= 3``),
@@ -158,7 +159,9 @@ class RobustCusum:
         hist = self._hist[:, ready]
         median = np.median if np.all(self._hist_idx[ready] >= self.window) else np.nanmedian  # unfilled slots: NaN
         mad = median(np.abs(hist - median(hist, axis=0)), axis=0)
-        self._scales[(self._updates // MIN_HISTORY) % _SCALE_MEMORY, ready] = _MAD_TO_SIGMA * mad
+        # few samples give a rough estimate: take its upper side (x1.35 from 8 samples, x1.125 from 64)
+        n = np.minimum(self._hist_idx[ready], self.window)
+        self._scales[(self._updates // MIN_HISTORY) % _SCALE_MEMORY, ready] = _MAD_TO_SIGMA * mad * (1 + n**-0.5)
         self.scale[ready] = np.maximum(self.noise_floor, np.nanmax(self._scales[:, ready], axis=0))
 
     def dismiss(self, step: int, ranks: np.ndarray) -> None:

@@ -78,9 +78,10 @@ class StragglerConfig:
     or 'individual' (rank vs its own best history). A single-rank job always uses 'individual'."""
     window: int = 64
     """Gathered samples kept per rank and section for the robust statistics (median / MAD, own best history)."""
-    min_slowdown: float = 1.1
+    min_slowdown: float = 1.15
     """Confirmation (FALCON-style): a change point becomes a verdict only if the last ``confirm_steps`` samples, all
-    but one, are slowdowns of at least this factor; also the shift the CUSUM is tuned to detect."""
+    but one, are slowdowns of at least this factor; also the shift the CUSUM is tuned to detect. Real step times
+    jitter by several percent on a busy host: 1.15 keeps that out while a 1.2x rank is still named."""
     confirm_steps: int = 5
     """Recent samples that must show ``min_slowdown`` (all of them below 3, else all but one): a shorter hiccup is
     never a straggler; also sets the episode-end hysteresis (2 x this many calm samples)."""

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_resilience.collective import SideGroup
 from lightning_resilience.straggler import presentation
 from lightning_resilience.straggler.config import StragglerConfig
 from lightning_resilience.straggler.episodes import Episodes
@@ -130,7 +131,6 @@ class StragglerDetector:
         self.last_decisions: list[Decision] = []
         self.gathers = 0
         self.gather_seconds = 0.0
-        self._side_group: Any = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -141,12 +141,8 @@ class StragglerDetector:
         config = config or StragglerConfig()
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls(config, **kwargs)
-        group = dist.new_group(backend="gloo", timeout=config.gather_timeout)
-        detector = cls(
-            config, rank=dist.get_rank(), world_size=dist.get_world_size(), gather=gloo_gather(group), **kwargs
-        )
-        detector._side_group = group
-        return detector
+        group = SideGroup("straggler", config.gather_timeout)
+        return cls(config, rank=group.rank, world_size=group.world_size, gather=gloo_gather(group), **kwargs)
 
     def _open_kernels(self) -> NvrxKernelScores | None:
         return open_kernel_scores() if self.config.kernel_scores else None
@@ -157,15 +153,11 @@ class StragglerDetector:
         return self.probe.attach(model)
 
     def close(self) -> None:
-        """Release the probes, the kernel profiler and the side group (collective when a side group exists)."""
+        """Release the probes and the kernel profiler."""
         self.probe.detach()
         if self._kernels is not None:
             self._kernels.close()
             self._kernels = None
-        if self._side_group is not None:
-            group, self._side_group = self._side_group, None
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(group)
 
     # ------------------------------------------------------------------ timing
     def start_step(self) -> None:
@@ -251,10 +243,12 @@ class StragglerDetector:
         t0 = time.perf_counter()
         try:
             gathered = self._gather(payload)
-        except Exception as err:  # dist raises RuntimeError / DistBackendError on a timeout or a lost peer
+        except Exception as err:  # CollectiveError from the side group, or what a custom gather raises
             raise StragglerGatherError(
                 f"straggler: exchange of step timings failed at step {self._last_step} ({err}); a rank is hung, gone "
-                f"or more than {timedelta(seconds=self.config.gather_timeout_s)} behind"
+                f"or more than {timedelta(seconds=self.config.gather_timeout_s)} behind",
+                op="straggler.exchange",
+                group="straggler",
             ) from err
         self.gather_seconds += time.perf_counter() - t0
         return gathered

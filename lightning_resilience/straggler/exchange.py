@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from lightning_resilience.collective import CollectiveError, SideGroup
 
 __all__ = ["GatherFn", "GlooGather", "Payload", "StragglerGatherError", "gloo_gather"]
 
@@ -20,13 +21,16 @@ Payload = dict[str, Any]
 GatherFn = Callable[[Payload], Sequence[Payload]]
 """All-gather of one payload per rank; every rank gets every rank's payload."""
 
+OP = "straggler.exchange"
 
-class StragglerGatherError(RuntimeError):
+
+class StragglerGatherError(CollectiveError):
     """The exchange of timings did not complete: a rank is hung, gone, or far behind."""
 
 
 class GlooGather:
-    """All-gather of payloads over ``group`` (a side gloo group; its timeout bounds every wait).
+    """All-gather of payloads over ``group`` (the detector's :class:`~lightning_resilience.collective.SideGroup`;
+    its timeout bounds every wait).
 
     The first exchange all-gathers the whole payloads as objects (host names, ranks per node, section names); later
     ones all-gather only a float64 tensor of the times, in the section order of the first exchange (the same on
@@ -34,26 +38,23 @@ class GlooGather:
     back to objects; since every rank's sections come from the same configuration, all ranks take the same path.
     """
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: SideGroup) -> None:
         self.group = group
-        self.world_size = dist.get_world_size(group)
         self._first: list[Payload] | None = None
         self._keys: list[str] = []
 
     def __call__(self, payload: Payload) -> Sequence[Payload]:
         keys = sorted(payload["times"])
         if self._first is None or keys != self._keys:
-            out: list[Any] = [None] * self.world_size
-            dist.all_gather_object(out, payload, group=self.group)
+            out = self.group.all_gather_object(payload, op=OP)
             if self._first is None:
                 self._first, self._keys = out, keys
             return out
         local = torch.tensor([float(payload["times"][k]) for k in keys], dtype=torch.float64)
-        parts = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(parts, local, group=self.group)
+        parts = self.group.all_gather_tensor(local, op=OP)
         return [{**first, "times": dict(zip(keys, part.tolist()))} for first, part in zip(self._first, parts)]
 
 
-def gloo_gather(group: Any) -> GatherFn:
+def gloo_gather(group: SideGroup) -> GatherFn:
     """An all-gather of payloads over ``group`` (a side gloo group); see :class:`GlooGather`."""
     return GlooGather(group)
