@@ -57,7 +57,7 @@ def test_hang_drill_is_detected_dumped_and_ended(tmp_path: Path) -> None:
 
 def test_slow_rank_drill_is_named(tmp_path: Path) -> None:
     """A single rank is judged against its own best history (a short window so it has one by the onset)."""
-    overrides = ["drill=slow_rank", "drill.step=20", "drill.factor=3", "trainer.max_steps=36"]
+    overrides = ["drill=slow_rank", "drill.step=28", "drill.factor=3", "trainer.max_steps=44"]
     proc = _run([*RECIPE, f"run_dir={tmp_path}", *overrides, "resilience.straggler.config.window=8"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     named = "rank 0 (node 0" in proc.stdout and "slower in its own compute" in proc.stdout
@@ -101,19 +101,19 @@ def test_confirmed_straggler_goes_through_the_policy(tmp_path: Path, policy: str
     """The strict ladder's top level asks the policy: by default it checkpoints and stops (exit 83), lenient alerts."""
     overrides = [
         "resilience/straggler=strict", f"resilience/policy={policy}", "resilience.straggler.config.window=8",
-        "drill=slow_rank", "drill.step=16", "drill.factor=3", "trainer.max_steps=48",
+        "drill=slow_rank", "drill.step=28", "drill.factor=3", "trainer.max_steps=60",
     ]  # fmt: skip
     proc = _run([*RECIPE, f"run_dir={tmp_path}", *overrides])
     report = _reports(tmp_path)[-1]
     if policy == "default":
         assert proc.returncode == STRAGGLER_EXIT_CODE, proc.stderr[-3000:]
-        assert report["final_step"] < 48
+        assert report["final_step"] < 60
         steps = sorted(int(p.name.removeprefix("step_")) for p in (tmp_path / "ckpt").glob("step_*"))
         assert steps[-1] == report["final_step"]  # checkpointed at the stop
         assert "checkpoint_and_stop" in proc.stdout
     else:
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert report["final_step"] == 48
+        assert report["final_step"] == 60
         assert "resilience policy:" in proc.stdout and "alert" in proc.stdout
 
 
