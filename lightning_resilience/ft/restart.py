@@ -14,11 +14,23 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Attempt", "FaultNote", "atomic_write_json", "current_attempt", "read_fault_notes", "write_fault_note"]
+__all__ = [
+    "ATTEMPT_ENV",
+    "Attempt",
+    "FaultNote",
+    "atomic_write_json",
+    "current_attempt",
+    "read_fault_notes",
+    "write_fault_note",
+]
 
 log = logging.getLogger(__name__)
 
 FAULTS_DIR = "faults"
+ATTEMPT_ENV = "LIGHTNING_RESILIENCE_ATTEMPT"
+"""Set by ``lightning-resilience launch`` in every worker: the attempt's index across restarts (and requeues)."""
+LAUNCH_DIR_ENV = "LIGHTNING_RESILIENCE_LAUNCH_DIR"
+"""Set by ``lightning-resilience launch``: where this attempt's records go (``<run_dir>/launch``)."""
 
 
 @dataclass(frozen=True)
@@ -26,9 +38,10 @@ class Attempt:
     """How this process was launched."""
 
     launcher: str
-    """'ft_launcher', 'torchrun', 'slurm' or 'none'."""
+    """'lightning-resilience', 'ft_launcher', 'torchrun', 'slurm' or 'none'."""
     restart_count: int
-    """In-job restarts before this attempt (TORCHELASTIC_RESTART_COUNT); 0 after a scheduler requeue."""
+    """Attempts before this one: ``lightning-resilience launch``'s attempt index (it continues across requeues of
+    the same run directory), else in-job restarts (TORCHELASTIC_RESTART_COUNT; 0 after a scheduler requeue)."""
     rank: int
     world_size: int
     job_id: str | None
@@ -38,7 +51,10 @@ class Attempt:
 def current_attempt(rank: int | None = None, world_size: int | None = None) -> Attempt:
     """Read the launcher's environment (torchrun, ft_launcher, Slurm) of this process."""
     env = os.environ
-    if env.get("FT_RANK_MONITOR_IPC_SOCKET"):
+    launched = env.get(ATTEMPT_ENV)
+    if launched is not None:  # our launcher runs torchrun once per attempt: its restart count is always 0
+        launcher = "lightning-resilience"
+    elif env.get("FT_RANK_MONITOR_IPC_SOCKET"):
         launcher = "ft_launcher"
     elif env.get("TORCHELASTIC_RUN_ID") is not None or env.get("TORCHELASTIC_RESTART_COUNT") is not None:
         launcher = "torchrun"
@@ -48,7 +64,7 @@ def current_attempt(rank: int | None = None, world_size: int | None = None) -> A
         launcher = "none"
     return Attempt(
         launcher=launcher,
-        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        restart_count=int(launched or env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
         rank=rank if rank is not None else int(env.get("RANK", "0")),
         world_size=world_size if world_size is not None else int(env.get("WORLD_SIZE", "1")),
         job_id=env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID"),

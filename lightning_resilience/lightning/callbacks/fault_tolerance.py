@@ -18,6 +18,7 @@ from lightning_resilience.ft.config import FaultToleranceConfig
 from lightning_resilience.ft.ettr import EttrLedger, EttrReport
 from lightning_resilience.ft.heartbeat import RankMonitorBridge, connect_rank_monitor
 from lightning_resilience.ft.preemption import PREEMPT_EXIT_CODE, PreemptionNotice, connect_store
+from lightning_resilience.ft.rendezvous import restart_hazard
 from lightning_resilience.ft.restart import Attempt, FaultNote, current_attempt, write_fault_note
 from lightning_resilience.ft.watchdog import (
     HANG_EXIT_CODE,
@@ -124,6 +125,9 @@ class FaultTolerance(Callback):
         self.exception = None
         self.run_dir = Path(cfg.run_dir) if cfg.run_dir else Path(trainer.default_root_dir) / "resilience"
         self.attempt = current_attempt(trainer.global_rank, trainer.world_size)
+        hazard = restart_hazard() if self.attempt.restart_count == 0 and trainer.world_size > 1 else None
+        if hazard and trainer.is_global_zero:  # said before training, not after the first restart hangs
+            log.warning(hazard)
         on_hang = self._on_hang or HangHandler(
             self.run_dir,
             trainer.global_rank,

@@ -1,10 +1,12 @@
 """ResilientDDPStrategy: DDP whose ``Trainer.save_checkpoint`` / ``fit(ckpt_path=...)`` write and read one
-validated shard per rank (so per-rank state such as RNG streams and data position survives)."""
+validated shard per rank (so per-rank state such as RNG streams and data position survives), and whose process
+group comes up again after a torchrun restart."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
@@ -16,6 +18,7 @@ from lightning_resilience.checkpoint.standalone import (
     remove_checkpoint_dir,
     save_checkpoint_dir,
 )
+from lightning_resilience.ft.rendezvous import attempt_store
 
 __all__ = ["ResilientDDPStrategy"]
 
@@ -29,6 +32,24 @@ class ResilientDDPStrategy(DDPStrategy):
     """
 
     strategy_name = "resilient_ddp"
+
+    @override
+    def setup_distributed(self) -> None:
+        # Under torchrun's static rendezvous (and c10d with a shared store) every attempt's workers meet in the agent's
+        # store, where the previous attempt's gloo addresses are still written: a restart then hangs or fails in
+        # init_process_group. A store prefixed with the attempt makes each restart's keys its own.
+        store = None if dist.is_initialized() else attempt_store(self._timeout)
+        if store is not None:
+            self.set_world_ranks()
+            dist.init_process_group(
+                self._get_process_group_backend(),
+                store=store,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                timeout=self._timeout,
+                device_id=self.root_device if self.root_device.type != "cpu" else None,
+            )
+        super().setup_distributed()  # seeds, ranks, backend name; finds the group initialised and keeps it
 
     @override
     def configure_ddp(self) -> None:
