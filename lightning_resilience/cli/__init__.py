@@ -1,8 +1,9 @@
 """`lightning-resilience` command line: run a recipe, list, verify, inspect and export checkpoints, show a run's
-resilience report, simulate at scale.
+resilience report, launch a script under torchrun with restarts that come up, simulate at scale.
 
-One module per command group (``run``, ``ckpt``, ``report``; ``simulate`` lives in :mod:`lightning_resilience.sim.cli`),
-each adding its sub-commands to the parser with ``add_parsers``.
+One module per command group (``run``, ``launch``, ``ckpt``, ``report``; ``simulate`` lives in
+:mod:`lightning_resilience.sim.cli`), each adding its sub-commands to the parser with ``add_parsers``; ``launch`` and
+``simulate`` parse their own arguments (every flag after the word belongs to them).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-resilience", description=_DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("simulate", help="predict ETTR and the best checkpoint interval at scale (see simulate --help)")
+    sub.add_parser("launch", help="torchrun with restarts that come up and a record of each attempt (launch --help)")
     run.add_parsers(sub)
     ckpt.add_parsers(sub)
     report.add_parsers(sub)
@@ -34,9 +36,12 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_resilience.sim.cli import simulate_main
 
         return int(simulate_main(argv[1:]))
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        if argv[:1] == ["launch"]:  # torchrun's flags, then the script's own: parsed by torchrun's parser
+            from lightning_resilience.cli.launch import launch_main
+
+            return launch_main(argv[1:])
+        args = build_parser().parse_args(argv)
         return int(args.fn(args))
     except CliError as err:
         print(f"error: {err}", file=sys.stderr)
