@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_PATHS := lightning_resilience recipes tests $(wildcard benchmarks)
 
-.PHONY: venv nemo-venv demo test lint typecheck unit bench clean drills-data
+.PHONY: venv nemo-venv demo launch-drills test lint typecheck unit bench clean drills-data
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,8 +36,14 @@ $(NEMO_STAMP): setup.cfg pyproject.toml
 
 nemo-venv: $(NEMO_STAMP)
 
+# the launch line of the README: `lightning-resilience launch` (torchrun underneath), a rank SIGKILLed, the restart
 demo: $(STAMP)
 	$(BIN)/python -m recipes.demo
+
+# a longer launcher campaign than CI's: random fault sequences (SIGKILL, SIGTERM, exceptions) over 4 attempts each
+LAUNCH_CAMPAIGN ?= 10
+launch-drills: $(STAMP)
+	LAUNCH_CAMPAIGN=$(LAUNCH_CAMPAIGN) $(BIN)/python -m pytest -q -p no:logging tests/drills/test_launch.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)

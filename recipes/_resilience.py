@@ -18,6 +18,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from omegaconf import DictConfig
 
 from lightning_resilience.config.registry import build_all
+from lightning_resilience.ft.restart import current_attempt
 from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
 
 __all__ = ["DRILLS", "FaultDrill", "attempt_number", "drill_callbacks", "exit_code", "resilience_callbacks"]
@@ -27,7 +28,8 @@ HANG_LIMIT_S = 3600.0  # a drilled hang ends by itself after this long if nothin
 
 
 def attempt_number() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """This attempt's index: torchrun's restart count, or the attempt of ``lightning-resilience launch``."""
+    return current_attempt().restart_count
 
 
 def resilience_callbacks(cfg: DictConfig, resume: str | int | None = None) -> list[Callback]:

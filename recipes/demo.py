@@ -1,5 +1,6 @@
-"""`make demo`: train a small GPT on 2 ranks under torchrun, kill a rank mid-run, let torchrun restart the job,
-resume automatically from the newest valid checkpoint, and print what was saved, restored and what it cost."""
+"""`make demo`: train a small GPT on 2 ranks under `lightning-resilience launch` (torchrun underneath, the static
+rendezvous users type), SIGKILL a rank mid-run, let the launcher restart the job, resume automatically from the
+newest valid checkpoint, and print what was saved, restored, what it cost, and what the launcher recorded."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from lightning_resilience.launch.records import AttemptRecord, read_records
+
 RUN_DIR = Path(os.environ.get("DEMO_RUN_DIR", "runs/demo"))
 STEPS, KILL_AT, LOCAL_EVERY = 80, 47, 10
 
@@ -22,34 +25,43 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _attempt_line(a: AttemptRecord) -> str:
+    took = a.ended_at - a.started_at
+    if a.cause is None:
+        what = "every rank finished"
+    else:
+        how = f"killed by {a.cause.detail}" if a.cause.kind == "signal" else f"{a.cause.kind} {a.cause.detail}"
+        victims = ", ".join(f"rank {r.rank} {r.how()[1]}" for r in a.ranks if r.role == "victim")
+        what = f"cause: rank {a.cause.rank} {how}" + (f"; victims: {victims}" if victims else "")
+    steps = f"committed step {a.step_at_start if a.step_at_start is not None else 'none'} -> {a.step_at_end}"
+    return f"attempt {a.attempt}: {a.outcome} after {took:.1f} s; {what}; {steps}; launcher: {a.reason}"
+
+
 def main() -> int:
     shutil.rmtree(RUN_DIR, ignore_errors=True)
     RUN_DIR.mkdir(parents=True)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node", "2", "--max-restarts", "2",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+        sys.executable, "-m", "lightning_resilience.cli", "launch",
+        "--nproc-per-node", "2", "--max-restarts", "2", "--master-port", str(free_port()), "--run-dir", str(RUN_DIR),
         "-m", "recipes.pretrain_gpt",
         f"run_dir={RUN_DIR}", f"trainer.max_steps={STEPS}", "trainer.devices=2", "trainer.strategy=resilient_ddp",
         "resilience=default", f"resilience.checkpoint.tiers.1.every_n_steps={LOCAL_EVERY}",
         "drill=kill_rank", f"drill.step={KILL_AT}", "drill.rank=1", "drill.attempt=0",
     ]  # fmt: skip
-    print("$", " ".join(cmd), flush=True)
-    # a restarted rank must not read its dead peer's address from the previous attempt's store (pytorch#135712)
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(Path.cwd()),
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-    }
+    shown = ["lightning-resilience", *cmd[3:]]
+    print("$", " ".join(shown), flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())}
     started = time.perf_counter()
     proc = subprocess.run(cmd, env=env, timeout=900)
     wall = time.perf_counter() - started
     report_file = RUN_DIR / "report.jsonl"
     reports = [json.loads(line) for line in report_file.read_text().splitlines()] if report_file.exists() else []
+    attempts = [r for r in read_records(RUN_DIR / "launch") if isinstance(r, AttemptRecord)]
     print("\n==================== resilience report ====================")
     print(f"job: 2 ranks, {STEPS} steps, rank 1 SIGKILLed at step {KILL_AT} (attempt 0)")
-    print(f"torchrun exit code {proc.returncode}")
+    print(f"launcher exit code {proc.returncode}; its records ({RUN_DIR / 'launch' / 'attempts.jsonl'}):")
+    for a in attempts:
+        print(f"  {_attempt_line(a)}")
     for r in reports:
         local = r["tiers"].get("local", {})
         print(
@@ -66,7 +78,14 @@ def main() -> int:
             )
     print(f"wall time including the restart: {wall:.1f} s")
     explain_restarts(RUN_DIR)
-    ok = proc.returncode == 0 and any(r["restored_step"] for r in reports) and reports[-1]["final_step"] == STEPS
+    came_up = len(attempts) == 2 and attempts[0].cause is not None and attempts[0].cause.detail == "SIGKILL"
+    ok = (
+        proc.returncode == 0
+        and came_up
+        and any(r["restored_step"] for r in reports)
+        and bool(reports)
+        and reports[-1]["final_step"] == STEPS
+    )
     print("demo:", "PASSED (crashed, restarted, resumed, finished)" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -358,9 +358,11 @@ def _summary(record: AttemptRecord, launch_dir: Path) -> str:
     head = f"attempt {record.attempt} {record.outcome} after {took:.1f} s"
     if record.cause is not None:
         c = record.cause
-        how = {"signal": f"killed by {c.detail}", "verdict": f"ended: {c.detail} (exit {c.exit_code})"}.get(
-            c.kind, f"{c.detail}" + (f": {c.message.splitlines()[0][:160]}" if c.message else "")
-        )
+        how = {
+            "signal": f"killed by {c.detail}",
+            "verdict": f"ended: {c.detail} (exit {c.exit_code})",
+            "exit": f"exited with status {c.detail}",
+        }.get(c.kind, f"{c.detail}" + (f": {c.message.splitlines()[0][:160]}" if c.message else ""))
         victims = [f"rank {r.rank}" for r in record.ranks if r.role == "victim"]
         head += f"; cause: rank {c.rank} {how}" + (f" (then {', '.join(victims)})" if victims else "")
     elif record.agent_error:

@@ -10,37 +10,31 @@ checkpoints this node cannot list (an object store).
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.format import read_manifest
+from lightning_resilience.checkpoint.layout import parse_rank, rank_dirs, step_dirs
 
 __all__ = ["newest_committed_step", "read_iteration_file"]
 
 log = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_RANK_DIR = re.compile(r"^rank_(\d+)$")
 _SEARCH_DEPTH = 4
 
 
 def _step_committed(step_dir: Path, local_ranks: int) -> bool:
-    ranks, worlds = 0, set()
-    for entry in step_dir.iterdir():
-        if entry.name.startswith("."):  # a shard being written or deleted: the step is not whole here
-            return False
-        if not (entry.is_dir() and _RANK_DIR.match(entry.name)):
-            continue
-        try:
-            worlds.add(read_manifest(entry).world_size)
-        except CheckpointCorruptError:
-            return False
-        ranks += 1
-    if ranks == 0 or len(worlds) != 1:
+    if any(entry.name.startswith(".") for entry in step_dir.iterdir()):
+        return False  # a shard being written or deleted: the step is not whole here
+    shards = rank_dirs(step_dir)
+    try:
+        worlds = {read_manifest(shard).world_size for shard in shards.values()}
+    except CheckpointCorruptError:
+        return False
+    if not shards or len(worlds) != 1:
         return False
     world = worlds.pop()
-    return ranks == world or ranks >= min(local_ranks, world)
+    return len(shards) == world or len(shards) >= min(local_ranks, world)
 
 
 def newest_committed_step(root: Path, *, local_ranks: int) -> int | None:
@@ -57,10 +51,10 @@ def newest_committed_step(root: Path, *, local_ranks: int) -> int | None:
         nonlocal newest
         try:
             children = sorted(directory.iterdir())
+            steps = step_dirs(directory)
         except OSError:
             return
-        steps = [(int(m.group(1)), c) for c in children if (m := _STEP_DIR.match(c.name)) and c.is_dir()]
-        for step, path in sorted(steps, reverse=True):
+        for step, path in sorted(steps.items(), reverse=True):
             if newest is not None and step <= newest:
                 break
             try:
@@ -72,7 +66,7 @@ def newest_committed_step(root: Path, *, local_ranks: int) -> int | None:
         if steps or depth >= _SEARCH_DEPTH:
             return
         for child in children:
-            if child.is_dir() and not child.name.startswith(".") and not _RANK_DIR.match(child.name):
+            if child.is_dir() and not child.name.startswith(".") and parse_rank(child.name) is None:
                 walk(child, depth + 1)
 
     if root.is_dir():

@@ -59,6 +59,10 @@ class _RankRecord:
             print(f"lightning-resilience: cannot write {self.path}: {err}", file=sys.stderr)
 
 
+def _described(err: BaseException) -> dict[str, str]:
+    return {"type": type(err).__name__, "message": str(err)[:2000]}
+
+
 def _exit_status(code: object) -> int:
     if code is None:
         return 0
@@ -82,13 +86,14 @@ def main(argv: list[str] | None = None) -> None:
             sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` has it
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exit_:
-        record.write(exit_code=_exit_status(exit_.code), ended_at=time.time())
+        status = _exit_status(exit_.code)
+        # an app that turns an exception into sys.exit(1) (Hydra's @hydra.main does) exits while handling it
+        context = exit_.__context__ if status else None
+        cause = _described(context) if isinstance(context, Exception) else None
+        record.write(exit_code=status, ended_at=time.time(), **({"exception": cause} if cause else {}))
         raise
     except BaseException as err:
-        message = str(err)
-        record.write(
-            exit_code=1, ended_at=time.time(), exception={"type": type(err).__name__, "message": message[:2000]}
-        )
+        record.write(exit_code=1, ended_at=time.time(), exception=_described(err))
         if isinstance(err, Exception):
             from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 

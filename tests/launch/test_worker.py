@@ -24,6 +24,12 @@ if mode == "exit":
     sys.exit(87)
 if mode == "raise":
     raise ValueError("bad batch at step 3")
+if mode == "hydra":  # what @hydra.main does with an exception
+    try:
+        raise ValueError("bad batch at step 3")
+    except Exception:
+        print("Error executing job", file=sys.stderr)
+        sys.exit(1)
 """
 
 
@@ -41,7 +47,7 @@ def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], 
     return proc, record
 
 
-@pytest.mark.parametrize(("mode", "status"), [("ok", 0), ("exit", 87), ("raise", 1)])
+@pytest.mark.parametrize(("mode", "status"), [("ok", 0), ("exit", 87), ("raise", 1), ("hydra", 1)])
 def test_a_script_runs_as_main_and_its_end_is_recorded(tmp_path: Path, mode: str, status: int) -> None:
     (tmp_path / "sub").mkdir()
     script = tmp_path / "sub" / "train.py"
@@ -51,8 +57,11 @@ def test_a_script_runs_as_main_and_its_end_is_recorded(tmp_path: Path, mode: str
     seen = json.loads(proc.stdout.splitlines()[0])
     assert seen == {"argv": [str(script), mode], "path0": str(tmp_path / "sub"), "name": "__main__"}
     assert record["rank"] == 1 and record["pid"] > 0 and record["exit_code"] == status
-    if mode == "raise":
+    if mode in ("raise", "hydra"):  # the exception behind an app's sys.exit(1) too
         assert record["exception"] == {"type": "ValueError", "message": "bad batch at step 3"}
+    else:
+        assert "exception" not in record
+    if mode == "raise":
         assert "ValueError: bad batch at step 3" in proc.stderr  # the traceback is printed as usual
 
 
