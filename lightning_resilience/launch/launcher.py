@@ -90,7 +90,7 @@ class Launcher:
         self.torchrun = torchrun
         self.argv = argv
         self.host = socket.gethostname()
-        self.launch_dir = options.run_dir / "launch"
+        self.launch_dir = options.run_dir.absolute() / "launch"  # the ranks may change their working directory
         if options.multi_node:
             self.launch_dir = self.launch_dir / self.host
         self.launch_id = uuid.uuid4().hex[:12]
@@ -174,7 +174,10 @@ class Launcher:
         started = time.time()
         _say(f"attempt {attempt} starting (newest committed step: {_step(step_at_start)})")
         agent = subprocess.Popen(
-            [sys.executable, str(Path(attempt_module.__file__).resolve()), str(spec)], env=env, start_new_session=True
+            [sys.executable, str(Path(attempt_module.__file__).resolve()), str(spec)],
+            env=env,
+            start_new_session=True,  # its own process group: stopped as a whole, and Ctrl-C reaches the launcher only
+            preexec_fn=_end_with_parent,
         )
         self._agent = agent
         if self._signalled is not None:  # a signal that came between two attempts
@@ -289,6 +292,16 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def _end_with_parent() -> None:
+    """In the torchrun child: get SIGTERM if the launcher dies (Linux), so no attempt outlives its launcher."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _children(pid: int) -> list[int]:

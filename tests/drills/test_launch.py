@@ -146,7 +146,7 @@ def _wait_for(path: Path, deadline_s: float, proc: subprocess.Popen[str]) -> Non
 
 
 def test_sigterm_to_the_launcher_saves_exits_for_a_requeue_and_the_relaunch_continues(tmp_path: Path) -> None:
-    cmd = _launch_cmd(tmp_path, "--step-time", "0.5")
+    cmd = _launch_cmd(tmp_path, "--step-time", "0.25")
     with subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
             _wait_for(tmp_path / "reports" / "attempt0_rank1.json", ATTEMPT_TIMEOUT_S, proc)  # rank 1 is training
