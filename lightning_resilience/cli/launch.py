@@ -68,7 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_dir_from_env() -> str | None:
     """``run_dir=...`` of the zero-code enablement variable, e.g. LIGHTNING_RESILIENCE="default run_dir=/shared/r17"."""
-    for token in shlex.split(os.environ.get(_ENABLE_ENV, "")):
+    try:
+        tokens = shlex.split(os.environ.get(_ENABLE_ENV, ""))
+    except ValueError as err:
+        raise CliError(f"${_ENABLE_ENV}: {err}") from err
+    for token in tokens:
         if token.startswith("run_dir="):
             return token.split("=", 1)[1] or None
     return None
@@ -83,6 +87,8 @@ def launch_main(argv: list[str]) -> int:
     run_dir = args.run_dir or _run_dir_from_env()
     if not run_dir:
         raise CliError(f"launch needs a run directory: --run-dir DIR (or run_dir=DIR in ${_ENABLE_ENV})")
+    if args.max_restarts < 0:
+        raise CliError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     torchrun = {k: v for k, v in vars(args).items() if k not in _OURS}
     try:
         _, max_nodes = parse_min_max_nnodes(args.nnodes)

@@ -48,7 +48,7 @@ __all__ = ["LaunchOptions", "Launcher"]
 log = logging.getLogger(__name__)
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT)
-_AGENT_STOP_S = 40.0  # torchrun's agent gives its workers 30 s after its own SIGTERM, then SIGKILLs them
+_AGENT_STOP_MARGIN_S = 10.0  # torchrun's agent gives its workers --shutdown-timeout (30 s) after its SIGTERM
 _DUMP_SEARCH = ("stacks", "*/stacks", "*/*/stacks")
 _NOTE_SEARCH = ("faults", "*/faults", "*/*/faults")
 _LEDGER_SEARCH = ("ft_ledger.json", "*/ft_ledger.json", "*/*/ft_ledger.json")
@@ -115,7 +115,8 @@ class Launcher:
 
     def _stop_agent(self, agent: subprocess.Popen[bytes]) -> None:
         """Bounded: the workers had ``term_timeout_s``; then torchrun's agent stops them; then everything is killed."""
-        for sig, wait_s in ((signal.SIGTERM, _AGENT_STOP_S), (signal.SIGKILL, 10.0)):
+        agent_stop_s = float(self.torchrun.get("shutdown_timeout") or 30.0) + _AGENT_STOP_MARGIN_S
+        for sig, wait_s in ((signal.SIGTERM, agent_stop_s), (signal.SIGKILL, _AGENT_STOP_MARGIN_S)):
             try:
                 os.killpg(agent.pid, sig)  # the agent and its workers: its own session
             except ProcessLookupError:
