@@ -1,12 +1,13 @@
-"""Real multi-process straggler drills: run under torchrun, each trial one Lightning ``fit`` with DDP on CPU ranks
-(gloo), a plain ``DataLoader(shuffle=True)`` and the default ``StragglerDetection()``.
+"""Real multi-process straggler drills: run under torchrun, each trial one Lightning ``fit`` with DDP (or FSDP2) on
+CPU ranks (gloo), a plain ``DataLoader(shuffle=True)`` and the default ``StragglerDetection()``.
 
 Usage (2 ranks, three trials in one launch)::
 
     torchrun --nproc-per-node 2 -m benchmarks._straggler_ddp --out DIR \\
         --trial compute:1:1.5:40:60 --trial data:1:1.5:40:60 --trial job:-1:1.5:45:70
 
-A trial is ``kind:rank:factor:onset:steps``:
+A trial is ``kind:rank:factor:onset:steps[:strategy]`` (strategy ``ddp``, the default, or ``fsdp``: FSDP2
+``fully_shard`` of every linear layer through Lightning's ``ModelParallelStrategy``):
 
 * ``compute``: from step ``onset`` rank ``rank`` sleeps inside its forward (``training_step``) for
   ``(factor - 1) x`` the job's step period (median of the 20 periods before the onset, measured here, apart from
@@ -37,11 +38,13 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from lightning_resilience.lightning.callbacks.straggler import StragglerDetection
 
 KINDS = ("compute", "data", "job", "clean", "plain")
+STRATEGIES = ("ddp", "fsdp")
 PERIOD_WINDOW = 20
 
 
@@ -52,13 +55,17 @@ class Trial:
     factor: float
     onset: int
     steps: int
+    strategy: str = "ddp"
 
     @classmethod
     def parse(cls, text: str) -> Trial:
-        kind, rank, factor, onset, steps = text.split(":")
+        kind, rank, factor, onset, steps, *rest = text.split(":")
         if kind not in KINDS:
             raise ValueError(f"trial kind must be one of {KINDS}, got {kind!r}")
-        return cls(kind, int(rank), float(factor), int(onset), int(steps))
+        strategy = rest[0] if rest else "ddp"
+        if strategy not in STRATEGIES:
+            raise ValueError(f"trial strategy must be one of {STRATEGIES}, got {strategy!r}")
+        return cls(kind, int(rank), float(factor), int(onset), int(steps), strategy)
 
 
 @dataclass
@@ -89,9 +96,11 @@ class _Mlp(LightningModule):
     """An MLP; with ``device_s`` its forward also waits that long, as a host waits for an accelerator's kernels
     (CPU contention from other jobs on a shared machine then barely moves the step)."""
 
-    def __init__(self, width: int, depth: int, injection: _Injection, device_s: float = 0.0) -> None:
+    def __init__(
+        self, width: int, depth: int, injection: _Injection, device_s: float = 0.0, fsdp: bool = False
+    ) -> None:
         super().__init__()
-        self.device_s = device_s
+        self.device_s, self.fsdp = device_s, fsdp
         layers: list[torch.nn.Module] = []
         for _ in range(depth):
             layers += [torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.GELU()]
@@ -99,9 +108,22 @@ class _Mlp(LightningModule):
         self.register_buffer("target_scale", torch.ones(1))  # a buffer: DDP broadcasts it before every forward
         self.injection = injection
 
+    def configure_model(self) -> None:
+        if self.fsdp:  # FSDP2: every linear layer its own unit, then the root
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x), y * self.target_scale)
+        loss = torch.nn.functional.mse_loss(self(x), y * self.target_scale)
         if self.device_s > 0:
             threading.Event().wait(self.device_s)
         self.injection.pause(self.injection.compute_delay)
@@ -167,7 +189,8 @@ class _TimedDetection(StragglerDetection):
 def run_trial(trial: Trial, args: argparse.Namespace, index: int) -> dict[str, Any]:
     seed_everything(args.seed + index, workers=True)
     injection = _Injection()
-    n = args.batch * (trial.steps + 4) * int(os.environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    n = args.batch * (trial.steps + 4) * world
     gen = torch.Generator().manual_seed(args.seed + index)
     data = TensorDataset(torch.randn(n, args.width, generator=gen), torch.randn(n, 1, generator=gen))
     loader = DataLoader(data, batch_size=args.batch, shuffle=True, collate_fn=_Collate(injection))
@@ -179,7 +202,9 @@ def run_trial(trial: Trial, args: argparse.Namespace, index: int) -> dict[str, A
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        strategy="ddp",
+        strategy="ddp"
+        if trial.strategy == "ddp"
+        else ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -189,7 +214,7 @@ def run_trial(trial: Trial, args: argparse.Namespace, index: int) -> dict[str, A
         callbacks=callbacks,
     )
     started = time.perf_counter()
-    trainer.fit(_Mlp(args.width, args.depth, injection, args.device_ms / 1e3), loader)
+    trainer.fit(_Mlp(args.width, args.depth, injection, args.device_ms / 1e3, trial.strategy == "fsdp"), loader)
     out: dict[str, Any] = {
         "trial": asdict(trial),
         "rank": trainer.global_rank,
@@ -219,7 +244,9 @@ def run_trial(trial: Trial, args: argparse.Namespace, index: int) -> dict[str, A
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="directory for rank<r>.json")
-    p.add_argument("--trial", action="append", type=Trial.parse, required=True, help="kind:rank:factor:onset:steps")
+    p.add_argument(
+        "--trial", action="append", type=Trial.parse, required=True, help="kind:rank:factor:onset:steps[:ddp|fsdp]"
+    )
     p.add_argument("--width", type=int, default=768)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=64)

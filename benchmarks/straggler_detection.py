@@ -152,6 +152,11 @@ def real_ddp(args: argparse.Namespace, workload: str) -> dict[str, Any]:
         for _ in range(args.job_trials if factor == 1.5 else 0):
             onset = int(rng.integers(args.onset_min, args.onset_max + 1))
             slow.append((factor, "job", f"job:-1:{factor}:{onset}:{onset + args.post_steps}"))
+    for kind in KINDS:  # FSDP2 (fully_shard through ModelParallelStrategy), at 1.5x
+        for _ in range(args.fsdp_trials):
+            onset = int(rng.integers(args.onset_min, args.onset_max + 1))
+            spec = f"{kind}:{int(rng.integers(args.world))}:1.5:{onset}:{onset + args.post_steps}:fsdp"
+            slow.append((1.5, f"{kind}/fsdp", spec))
     order = rng.permutation(len(slow))  # kinds and factors interleaved: drift of the machine hits them alike
     slow = [slow[i] for i in order]
     ab = []
@@ -168,6 +173,9 @@ def real_ddp(args: argparse.Namespace, workload: str) -> dict[str, Any]:
         for kind in KINDS:
             res = [r for (f, k, _), r in zip(slow, slow_results) if f == factor and k == kind]
             groups[f"{kind}@{factor}"] = {"factor": factor, "kind": kind, **_score_slow(res)}
+    for kind in KINDS if args.fsdp_trials else ():
+        res = [r for (_, k, _), r in zip(slow, slow_results) if k == f"{kind}/fsdp"]
+        groups[f"{kind}@1.5/fsdp"] = {"factor": 1.5, "kind": f"{kind} (FSDP2)", **_score_slow(res)}
     job = [r for (_, k, _), r in zip(slow, slow_results) if k == "job"]
     job_latency = []
     job_false = 0
@@ -346,6 +354,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--world", type=int, default=2, help="real ranks (CPU processes)")
     p.add_argument("--trials", type=int, default=None, help="slow trials per factor and component (default 10)")
     p.add_argument("--job-trials", type=int, default=None, help="job-wide slowdown trials at 1.5x (default 4)")
+    p.add_argument("--fsdp-trials", type=int, default=None, help="FSDP2 slow trials per component at 1.5x (default 4)")
     p.add_argument("--onset-min", type=int, default=40)
     p.add_argument("--onset-max", type=int, default=None, help="latest onset (default 70)")
     p.add_argument("--post-steps", type=int, default=None, help="steps after the onset (default 30)")
@@ -365,6 +374,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "workload": ["device"] if q else sorted(WORKLOADS),
         "trials": 1 if q else 10,
         "job_trials": 1 if q else 4,
+        "fsdp_trials": 0 if q else 4,
         "onset_max": 45 if q else 70,
         "post_steps": 20 if q else 30,
         "ab_blocks": 1 if q else 4,

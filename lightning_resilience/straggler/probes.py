@@ -12,12 +12,15 @@ wait. Telling the slow rank apart needs the wait taken out of the step, leaving 
 * **forward**: a wrapper that syncs before running its module (DDP's buffer broadcast, FSDP1's unshard) is timed
   from a forward pre-hook on the wrapper to one on the wrapped module; an FSDP2 module from a pre-hook placed before
   FSDP's own pre-forward (which waits for the parameter all-gather) to one placed after it.
+* **FSDP2 in backward**: FSDP2 hooks each module's outputs so that their gradients first unshard the parameters
+  again (and wait for that all-gather); gradient hooks on the same outputs, registered just before and just after
+  FSDP's, bracket that wait.
 
 Host marks come from the timer's source: with CUDA events the spans are device time (recorded on the current
 stream, never waited for), so a wait the device spends on a collective is measured as the device sees it.
 
 Left in ``compute``: collectives the probes cannot see, e.g. a ``self.log(..., sync_dist=True)`` inside the
-forward, FSDP's unshard waits inside backward, tensor-parallel collectives.
+forward, FSDP1's unshard inside backward, tensor-parallel collectives.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_flatten
 
 from lightning_resilience.straggler.timing import WAIT, StepTimer
 
@@ -96,6 +100,10 @@ class WaitProbe:
             if fsdp2 is not None and isinstance(module, fsdp2):
                 self._handles.append(module.register_forward_pre_hook(self._enter, prepend=True))
                 self._handles.append(module.register_forward_pre_hook(self._leave))
+                # FSDP2's post-forward hooks the outputs' gradients to unshard for backward (and wait for it):
+                # gradient hooks on the same outputs, one registered before FSDP's and one after, bracket that wait
+                self._handles.append(module.register_forward_hook(self._bracket_backward_enter, prepend=True))
+                self._handles.append(module.register_forward_hook(self._bracket_backward_leave))
             elif fsdp1 is not None and isinstance(module, fsdp1):
                 inner = module.module  # FSDP1 unshards in forward, then calls the wrapped module
                 assert isinstance(inner, nn.Module)
@@ -118,6 +126,12 @@ class WaitProbe:
     def _leave(self, *_: Any) -> None:
         self.timer.end(WAIT)
 
+    def _bracket_backward_enter(self, module: nn.Module, args: Any, output: Any) -> None:
+        _on_output_grads(output, self._enter)
+
+    def _bracket_backward_leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        _on_output_grads(output, self._leave)
+
     def arm_backward(self, loss: torch.Tensor) -> None:
         """Call just before ``loss.backward()``: the wait opens once the local gradients are all computed."""
         if self._queue_callback is None or not self.timer.in_step:
@@ -134,6 +148,15 @@ class WaitProbe:
     def backward_done(self) -> None:
         """Call when backward has returned (gradient collectives done): the wait closes."""
         self.timer.end(WAIT)
+
+
+def _on_output_grads(output: Any, fn: Callable[[], None]) -> None:
+    """Call ``fn`` when the gradient of each tensor of ``output`` that needs one arrives (only under grad mode)."""
+    if not torch.is_grad_enabled():
+        return
+    for t in tree_flatten(output)[0]:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(lambda grad: fn())
 
 
 def _final_callback_queue() -> Callable[[Callable[[], None]], None] | None:

@@ -1,9 +1,11 @@
 """Real-DDP straggler drills with the default configuration: torchrun, 2 CPU ranks (gloo), Lightning ``strategy="ddp"``,
 a plain ``DataLoader(shuffle=True)``, the default ``StragglerDetection()``, real clocks.
 
-One launch runs three trials (``benchmarks/_straggler_ddp.py``), each a fresh ``fit``: rank 1 becomes 1.5x slower
-from step 40 inside its forward (a throttled device), rank 1 becomes 1.5x slower in its data loader (a slow data
-path), and every rank becomes 1.5x slower (a job-wide slowdown). The slowdown is a deterministic stall of 0.5x the
+One launch runs four trials (``benchmarks/_straggler_ddp.py``), each a fresh ``fit``: rank 1 becomes 1.5x slower
+from step 40 inside its training step (a throttled device), rank 1 becomes 1.5x slower in its data loader (a slow
+data path), every rank becomes 1.5x slower (a job-wide slowdown), and the first again under FSDP2
+(``ModelParallelStrategy``, ``fully_shard``), whose parameter gathers make the fast rank wait in forward and
+backward. The slowdown is a deterministic stall of 0.5x the
 job's measured step period; the model's forward waits a fixed 120 ms "device" time besides its real matmuls, as a
 host waits for an accelerator, so CPU contention from other jobs on the test machine (which makes real stragglers
 of its own: a rank that wakes late or loses its core for a while) moves the step by less than the detector's
@@ -24,7 +26,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 ONSET = 40
 MAX_LATENCY = 10  # slow steps observed up to the verdict (the target at 1.5x)
-TRIALS = [f"compute:1:1.5:{ONSET}:58", f"data:1:1.5:{ONSET}:58", f"job:-1:1.5:{ONSET}:60"]
+TRIALS = [
+    f"compute:1:1.5:{ONSET}:58",
+    f"data:1:1.5:{ONSET}:58",
+    f"job:-1:1.5:{ONSET}:60",
+    f"compute:1:1.5:{ONSET}:58:fsdp",
+]
 LAUNCH_TIMEOUT_S = 200
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)]
@@ -46,7 +53,12 @@ def trials(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str,
         pytest.fail(f"the straggler drill did not finish within {LAUNCH_TIMEOUT_S}s: {str(err.stderr)[-3000:]}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    return {spec.split(":")[0]: [rank["trials"][i] for rank in ranks] for i, spec in enumerate(TRIALS)}
+    return {_name(spec): [rank["trials"][i] for rank in ranks] for i, spec in enumerate(TRIALS)}
+
+
+def _name(spec: str) -> str:
+    kind, *_, last = spec.split(":")
+    return f"{kind}/fsdp" if last == "fsdp" else kind
 
 
 def _explain(results: list[dict[str, Any]]) -> str:
@@ -67,12 +79,15 @@ def _onset(results: list[dict[str, Any]]) -> int:
     return int(min(onsets))
 
 
-@pytest.mark.parametrize(("kind", "section"), [("compute", "compute"), ("data", "data")])
+@pytest.mark.parametrize(
+    ("kind", "section", "parallelism"),
+    [("compute", "compute", "ddp"), ("data", "data", "ddp"), ("compute/fsdp", "compute", "fsdp")],
+)
 def test_slow_rank_and_component_named_within_10_steps(
-    trials: dict[str, list[dict[str, Any]]], kind: str, section: str
+    trials: dict[str, list[dict[str, Any]]], kind: str, section: str, parallelism: str
 ) -> None:
     results = trials[kind]
-    assert results[0]["parallelism"] == "ddp"
+    assert results[0]["parallelism"] == parallelism
     onset, verdicts = _onset(results), results[0]["verdicts"]
     found = [v for v in verdicts if v["scope"] == "rank" and v["rank"] == 1 and v["section"] == section]
     assert found, f"rank 1 was never named slow in '{section}'\n{_explain(results)}"

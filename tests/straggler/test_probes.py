@@ -100,8 +100,9 @@ def test_ddp_probe_composes_with_a_communication_hook(tmp_path: Path) -> None:
     _assert_rank0_waits_for_rank1(run_ranks(_ddp, 2, tmp_path, "before_backward", True), "ddp")
 
 
-def test_fsdp2_wait_is_taken_out_of_compute(tmp_path: Path) -> None:
-    _assert_rank0_waits_for_rank1(run_ranks(_fsdp2, 2, tmp_path, "before_forward"), "fsdp")
+@pytest.mark.parametrize("where", ["before_forward", "before_backward"])
+def test_fsdp2_wait_is_taken_out_of_compute(tmp_path: Path, where: str) -> None:
+    _assert_rank0_waits_for_rank1(run_ranks(_fsdp2, 2, tmp_path, where), "fsdp")
 
 
 def test_no_wrapper_no_wait() -> None:
