@@ -99,7 +99,8 @@ class CudaEventSource:
         return bool(mark.query())
 
     def elapsed(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
-        end.synchronize()  # only reached with wait=True: collect() otherwise takes finished steps only
+        if not end.query():  # only with collect(wait=True): collect() otherwise takes finished steps only
+            end.synchronize()
         return float(start.elapsed_time(end)) / 1e3
 
 
