@@ -230,6 +230,7 @@ def run_trial(trial: Trial, args: argparse.Namespace, index: int) -> dict[str, A
             {
                 "parallelism": detection.parallelism,
                 "detector_s_per_step": detection.spent_s / max(1, trial.steps),
+                "exchange_s_per_step": det.gather_seconds / max(1, trial.steps),
                 "verdicts": [v.to_dict() for v in det.verdicts],
                 "noise_level": [v.to_dict() for v in det.noise_level],
                 "decisions": [d.to_dict() for d in det.decisions],

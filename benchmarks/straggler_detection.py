@@ -75,6 +75,8 @@ WORKLOADS = {  # name -> arguments of benchmarks._straggler_ddp
 }
 SYNTH_FACTORS = (1.1, 1.2, 1.5, 2.0)
 WARM_STEPS = 10  # steps of every trial left out of the step-period means (compilation, the first exchange)
+NVRX_THRESHOLD = 0.7  # NeMo's StragglerDetectionCallback default (relative performance score)
+NVRX_INTERVAL = 10  # steps between two NVRx reports (NVRx reports every report_time_interval seconds)
 
 pc = time.perf_counter
 
@@ -140,6 +142,41 @@ def _score_slow(results: list[list[dict[str, Any]]]) -> dict[str, Any]:
     }
 
 
+def _nvrx_rule(results: list[list[dict[str, Any]]], section: str) -> dict[str, Any]:
+    """NVRx's section scores on the same timings: every ``NVRX_INTERVAL`` steps, a rank's relative performance score
+    is the fastest rank's median time over the interval divided by its own; a rank below ``NVRX_THRESHOLD`` (NeMo's
+    default ``gpu_relative_perf_threshold``) is a straggler. ``section`` is what the rule times: ``step`` (the
+    training step, as NeMo's callback wraps it) or the slowed component itself."""
+    latencies: list[int] = []
+    false = 0
+    for res in results:
+        spec, onset = res[0]["trial"], _onset(res)
+        history = res[0]["history"]
+        found = None
+        for start in range(0, len(history) - NVRX_INTERVAL + 1, NVRX_INTERVAL):
+            window = history[start : start + NVRX_INTERVAL]
+            med = np.nanmedian(np.array([h[section] for _, h in window], dtype=np.float64), axis=0)
+            if not np.all(np.isfinite(med)) or np.any(med <= 0):
+                continue
+            score = med.min() / med
+            end_step = int(window[-1][0])
+            for rank in np.flatnonzero(score < NVRX_THRESHOLD).tolist():
+                if rank == spec["rank"] and onset is not None and end_step >= onset:
+                    found = found if found is not None else end_step - onset + 1
+                else:
+                    false += 1
+        if found is not None:
+            latencies.append(found)
+    n = len(results)
+    return {
+        "section": section,
+        "recall": len(latencies) / n if n else None,
+        "false_flags": false,
+        "latency_median": statistics.median(latencies) if latencies else None,
+        "latency_max": max(latencies) if latencies else None,
+    }
+
+
 def real_ddp(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     slow: list[tuple[float, str, str]] = []
@@ -173,6 +210,7 @@ def real_ddp(args: argparse.Namespace, workload: str) -> dict[str, Any]:
         for kind in KINDS:
             res = [r for (f, k, _), r in zip(slow, slow_results) if f == factor and k == kind]
             groups[f"{kind}@{factor}"] = {"factor": factor, "kind": kind, **_score_slow(res)}
+            groups[f"{kind}@{factor}"]["nvrx_rule"] = {sec: _nvrx_rule(res, sec) for sec in ("step", kind)}
     for kind in KINDS if args.fsdp_trials else ():
         res = [r for (_, k, _), r in zip(slow, slow_results) if k == f"{kind}/fsdp"]
         groups[f"{kind}@1.5/fsdp"] = {"factor": 1.5, "kind": f"{kind} (FSDP2)", **_score_slow(res)}
@@ -196,6 +234,7 @@ def real_ddp(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     plain = [r for r in ab_results if r[0]["trial"]["kind"] == "plain"]
     plain_p = [p for r in plain for rank in r for p in rank["periods_s"][WARM_STEPS:]]
     hook_s = [rank["detector_s_per_step"] for r in clean for rank in r]
+    exchange_s = [rank["exchange_s_per_step"] for r in clean for rank in r]
     mean_with, mean_plain = statistics.fmean(with_p), statistics.fmean(plain_p)
     step_median = statistics.median(plain_p)
     return {
@@ -226,6 +265,8 @@ def real_ddp(args: argparse.Namespace, workload: str) -> dict[str, Any]:
             "p99_fraction": float(np.percentile(with_p, 99)) / float(np.percentile(plain_p, 99)) - 1.0,
             "hooks_s_per_step_mean": statistics.fmean(hook_s),
             "hooks_fraction": statistics.fmean(hook_s) / step_median,
+            "exchange_s_per_step_mean": statistics.fmean(exchange_s),
+            "own_s_per_step_mean": statistics.fmean(hook_s) - statistics.fmean(exchange_s),
         },
         "wall_s": pc() - t0,
     }
@@ -476,24 +517,28 @@ def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
         "slower from a random onset, in its forward (compute) or its data loader (data), by a stall of "
         "(factor - 1) x the measured step period. Workload `device`: the forward also waits a fixed 60 ms, as a "
         "host waits for an accelerator; `cpu`: all real CPU compute. Latency = slow steps seen up to the verdict, "
-        "inclusive.",
+        f"inclusive. *NVRx rule*: NVRx's relative section score (fastest rank's median / this rank's, every "
+        f"{NVRX_INTERVAL} steps, flagged below {NVRX_THRESHOLD}, NeMo's default) on the same timings, of the whole "
+        "training step (what NeMo's callback wraps; CUPTI kernel scores need a GPU) and of the slowed component.",
         "",
     ]
     for name, w in r["real"].items():
         rows = []
         for g in w["groups"].values():
+            nv = g.get("nvrx_rule") or {}
+            step_rule, own_rule = nv.get("step") or {}, nv.get(g["kind"]) or {}
             rows.append(
                 [name, g["kind"], f"{g['factor']}x", g["trials"], _f2(g["recall"]), _f2(g["precision"]),
-                 g["latency_median"], g["latency_p90"], g["latency_max"]]
+                 g["latency_median"], g["latency_p90"], g["latency_max"], _f2(step_rule.get("recall")),
+                 f"{_f2(own_rule.get('recall'))} ({own_rule.get('latency_max')}; {own_rule.get('false_flags')} false)"
+                 if own_rule else ""]
             )  # fmt: skip
         j = w["job"]
         rows.append([name, "job-wide", "1.5x", j["trials"], _f2(j["named"] / j["trials"] if j["trials"] else None),
-                     "", "", "", j["latency_max"]])  # fmt: skip
-        out.append(
-            md_table(
-                ["workload", "slow", "factor", "trials", "recall", "precision", "latency median", "p90", "max"], rows
-            )
-        )
+                     "", "", "", j["latency_max"], "", ""])  # fmt: skip
+        header = ["workload", "slow", "factor", "trials", "recall", "precision", "latency median", "p90", "max"]
+        header += ["NVRx rule on the step: recall", "NVRx rule on the component: recall (max latency; false flags)"]
+        out.append(md_table(header, rows))
         c, o = w["clean"], w["overhead"]
         out += [
             "",
@@ -503,7 +548,10 @@ def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
             f"step period {o['step_period_with_detector']['mean_s'] * 1e3:.1f} ms with the detector vs "
             f"{o['step_period_plain']['mean_s'] * 1e3:.1f} ms without (interleaved) = "
             f"**{fmt_pct(o['mean_fraction'])}** (p99 {fmt_pct(o['p99_fraction'])}); inside the callback's hooks "
-            f"{o['hooks_s_per_step_mean'] * 1e3:.2f} ms a step = {fmt_pct(o['hooks_fraction'])} of the median step.",
+            f"{o['hooks_s_per_step_mean'] * 1e3:.2f} ms a step = {fmt_pct(o['hooks_fraction'])} of the median step, "
+            f"of which the exchange {o['exchange_s_per_step_mean'] * 1e3:.2f} ms (its latency, and the wait for the "
+            f"last rank to finish its step, which the next collective would have waited anyway) and the detector's "
+            f"own work {o['own_s_per_step_mean'] * 1e3:.2f} ms.",
             "",
         ]
     s = r["synthetic"]

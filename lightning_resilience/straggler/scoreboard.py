@@ -54,7 +54,7 @@ class Scoreboard:
             window=max(c.window, MIN_HISTORY),
         )
         # the sections' times, then every rank's work: each rank's own best levels
-        self.baseline = IndividualBaseline(s * w + w, window=c.window, min_samples=max(MIN_HISTORY, c.window // 2))
+        self.baseline = IndividualBaseline(s * w + w, window=c.window, min_samples=MIN_HISTORY)
         self.relative = np.full((s, w), np.nan)
         self.individual = np.full((s, w), np.nan)
         self.rel_sum = np.zeros((s, w))
