@@ -217,7 +217,7 @@ class EttrLedger:
             if fresh and committed is not None and (newest is None or committed > newest):
                 _append_point(record.persists, [now, int(committed), tier])
         if force or now - self._last_write >= self.interval_s:
-            _append_point(record.progress, [now, step])
+            _append_point(record.progress, [record.last_heartbeat_at, step])
             self.save()
             return True
         return False

@@ -74,7 +74,9 @@ def _step_times_figure(plt: Any, name: str, section: dict[str, Any]) -> Any:
         ax.set_ylabel("step time (ms)")
         if ranks <= 16:
             ax.legend(fontsize="small", ncol=min(ranks, 8))
-        ax.set_title(f"Step time per rank ({name}): lower is better; one line above the others is a straggler")
+        ax.set_title(
+            f"Step time per rank ({name})\nlower is better; a line above the others is a straggler", fontsize=10
+        )
         return fig
     if not (isinstance(medians, list) and medians):
         return None
@@ -93,7 +95,9 @@ def _step_times_figure(plt: Any, name: str, section: dict[str, Any]) -> Any:
     ax.set_xlim(-0.6, len(rank_ids) - 0.4)
     ax.set_xlabel("rank")
     ax.set_ylabel("median step time (ms)")
-    ax.set_title(f"Median step time per rank ({name}): lower is better; red = >10% above the median of ranks")
+    ax.set_title(
+        f"Median step time per rank ({name})\nlower is better; red: >10% above the median of ranks", fontsize=10
+    )
     return fig
 
 

@@ -206,11 +206,11 @@ def _causes_panel(ax: Any, timeline: Timeline, max_attempts: int = 8) -> None:
         if cause:
             rank = "no single rank" if cause.get("rank") is None else f"rank {cause['rank']}"
             inferred = " (inferred)" if "inferred" in (cause.get("evidence") or []) else ""
-            for i, row in enumerate(textwrap.wrap(f"culprit {rank}{inferred}: {cause.get('brief', '')}", 52)[:3]):
-                lines.append(("  " + row if i == 0 else "    " + row, "black", "normal"))
+            text = f"culprit {rank}{inferred}: {cause.get('brief', '')}"
+            lines += _wrapped(text, "black", rows=4)
         for victim in (end.get("victims") or [])[:2]:
             text = f"victim rank {victim.get('rank')}: {victim.get('brief') or victim.get('detail')}"
-            lines.append(("  " + _short(text, 56), "#555555", "normal"))
+            lines += _wrapped(text, "#555555", rows=2)
         if len(end.get("victims") or []) > 2:
             lines.append((f"  ... {len(end['victims']) - 2} more victims", "#555555", "normal"))
         detection = end.get("detection_s")
@@ -229,9 +229,10 @@ def _causes_panel(ax: Any, timeline: Timeline, max_attempts: int = 8) -> None:
                 va="top", family="monospace")  # fmt: skip
 
 
-def _short(text: str, width: int) -> str:
-    line = text.splitlines()[0] if text else ""
-    return line if len(line) <= width else line[: width - 1] + "…"
+def _wrapped(text: str, color: str, *, rows: int, width: int = 52) -> list[tuple[str, str, str]]:
+    """``text`` as at most ``rows`` indented lines of the causes panel (the last one cut with an ellipsis)."""
+    wrapped = textwrap.wrap(text, width, max_lines=rows, placeholder="…")
+    return [(("  " if i == 0 else "    ") + row, color, "normal") for i, row in enumerate(wrapped)]
 
 
 def _band_panel(ax: Any, timeline: Timeline, steps_ax: Any) -> None:

@@ -236,6 +236,8 @@ class FaultTolerance(Callback):
         self.watchdog.switch("checkpointing", trainer.global_step)
         if self.monitor is not None:
             self.monitor.start_section("checkpointing")
+        if self.ledger is not None:
+            self.ledger.save()  # the last step is on disk for the end-of-run report (heartbeat writes are throttled)
         if self.preempted_at is None:
             return
         tiered = next((c for c in trainer.callbacks if isinstance(c, TieredCheckpoint)), None)  # type: ignore[attr-defined]
