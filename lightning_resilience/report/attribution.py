@@ -71,7 +71,17 @@ def _exit_detail(code: int) -> str:
 
 
 def _from_exit(record: RankExit, step: int | None) -> RankFailure:
-    ev = ("launcher record",)
+    ev: tuple[str, ...] = ("launcher record",)
+    if record.stopped_by_launcher:
+        how = f" ({_signal_name(record.signal)})" if record.signal is not None else ""
+        detail = f"stopped by the launcher{how} after another rank failed"
+        kind = FailureKind.SIGNAL if record.signal is not None else FailureKind.EXIT_CODE
+        return RankFailure(
+            record.rank, kind, detail, at=record.exited_at, step=step, evidence=(*ev, "stopped by the launcher")
+        )
+    if record.exception:
+        detail = record.exception + (f" [exit {record.exit_code}]" if record.exit_code not in (None, 1) else "")
+        return RankFailure(record.rank, FailureKind.EXCEPTION, detail, at=record.exited_at, step=step, evidence=ev)
     if record.signal is not None:
         detail = f"killed by {_signal_name(record.signal)} (signal {record.signal})"
         return RankFailure(record.rank, FailureKind.SIGNAL, detail, at=record.exited_at, step=step, evidence=ev)
@@ -217,7 +227,7 @@ def attribute(ev: AttemptEvidence) -> Attribution:
         outcome = "preempted"
     elif job_code is not None:
         outcome = "stopped"
-    return Attribution(ev.attempt, outcome, cause, tuple(victims), _detection(ev, cause))
+    return Attribution(ev.attempt, outcome, cause, tuple(victims), _detection(ev, cause, victims))
 
 
 def _common_failure(primaries: list[RankFailure]) -> RankFailure | None:
@@ -256,12 +266,19 @@ def _fields(failure: RankFailure) -> dict[str, Any]:
     return {name: getattr(failure, name) for name in RankFailure.__dataclass_fields__}
 
 
-def _detection(ev: AttemptEvidence, cause: RankFailure) -> float | None:
+def _detection(ev: AttemptEvidence, cause: RankFailure, victims: Sequence[RankFailure] = ()) -> float | None:
+    """A hang's stuck time; else from the culprit's failure to the first sign of it elsewhere (a victim's error),
+    or to the end of the attempt."""
     if cause.kind is FailureKind.HANG:
         note = next((n for n in ev.notes if n.rank == cause.rank and n.kind == "hang"), None)
         if note is not None and note.detection_s is not None:
             return float(note.detection_s)
-    if cause.at is not None and ev.ended_at is not None and ev.ended_at >= cause.at:
+    if cause.at is None:
+        return None
+    later = [v.at for v in victims if v.at is not None and v.at >= cause.at]
+    if later:
+        return min(later) - cause.at
+    if ev.ended_at is not None and ev.ended_at >= cause.at:
         return ev.ended_at - cause.at
     return None
 

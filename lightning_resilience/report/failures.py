@@ -74,6 +74,10 @@ class RankExit:
     """The signal that killed it (9 for SIGKILL), if one did."""
     exited_at: float | None = None
     """Wall-clock seconds (time.time) when the launcher saw it end."""
+    exception: str | None = None
+    """``"Type: message"`` of the exception it raised, when its launcher recorded one."""
+    stopped_by_launcher: bool = False
+    """The launcher stopped it after another rank failed (its own end was not observed)."""
 
     @classmethod
     def from_returncode(cls, rank: int, returncode: int, exited_at: float | None = None) -> RankExit:
@@ -84,7 +88,9 @@ class RankExit:
 
     @property
     def failed(self) -> bool:
-        return self.signal is not None or (self.exit_code is not None and self.exit_code != 0)
+        return (
+            self.signal is not None or self.stopped_by_launcher or (self.exit_code is not None and self.exit_code != 0)
+        )
 
 
 @dataclass
@@ -138,6 +144,8 @@ class RankFailure:
     @property
     def peer_error(self) -> bool:
         """The failure looks like the consequence of another rank's (a broken collective, a teardown signal)."""
+        if "stopped by the launcher" in self.evidence:
+            return True
         if self.kind is FailureKind.EXCEPTION:
             return peer_symptom(self.detail) is not None
         if self.kind is FailureKind.SIGNAL:

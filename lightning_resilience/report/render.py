@@ -208,9 +208,8 @@ def _ft_table(name: str, ft: Mapping[str, Any]) -> Table:
 def _detection_rows(sections: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
     rows = []
     for name, section in sections.items():
-        decisions = section.get("decisions")
-        if isinstance(decisions, list) and any(_is_straggler_decision(d) for d in decisions):
-            rows += _straggler_rows(name, decisions)
+        if _is_straggler_section(section):
+            rows += _straggler_rows(name, section)
         else:
             for key in ("verdicts", "decisions", "events"):
                 value = section.get(key)
@@ -224,37 +223,49 @@ def _detection_rows(sections: Mapping[str, Mapping[str, Any]]) -> list[tuple[str
     return rows
 
 
-def _is_straggler_decision(d: Any) -> bool:
-    return isinstance(d, Mapping) and isinstance(d.get("verdict"), Mapping) and "slowdown" in d["verdict"]
+def _is_straggler_section(section: Mapping[str, Any]) -> bool:
+    if isinstance(section.get("noise_level"), list):
+        return True
+    decisions = section.get("decisions")
+    return isinstance(decisions, list) and any(_decision_verdict(d) is not None for d in decisions)
 
 
-def _straggler_rows(name: str, decisions: list[Any]) -> list[tuple[str, str]]:
-    """Slowdowns that only reached the 'log' rung are noise-level observations, not findings: say so."""
-    logged = [d for d in decisions if _is_straggler_decision(d) and d.get("action") == "log"]
-    findings = [d for d in decisions if _is_straggler_decision(d) and d.get("action") != "log"]
+def _decision_verdict(d: Any) -> Mapping[str, Any] | None:
+    verdict = d.get("verdict") if isinstance(d, Mapping) else None
+    return verdict if isinstance(verdict, Mapping) and "slowdown" in verdict else None
+
+
+def _who(v: Mapping[str, Any]) -> str:
+    return "the whole job" if v.get("scope") == "job" or v.get("rank") == -1 else f"rank {v.get('rank')}"
+
+
+def _straggler_rows(name: str, section: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Findings (a slowdown that reached the ``alert`` rung or beyond) apart from what only reached ``log`` and
+    from confirmations within the run-to-run jitter (never acted on): those are noted, not findings."""
+    decisions = [d for d in section.get("decisions") or [] if _decision_verdict(d) is not None]
+    findings = [d for d in decisions if d.get("action") != "log"]
+    logged = [d["verdict"] for d in decisions if d.get("action") == "log"]
+    noise = [v for v in section.get("noise_level") or [] if isinstance(v, Mapping)]
     rows = []
-    if findings:
-        for d in findings[-8:]:
-            v = d["verdict"]
-            rows.append(
-                (
-                    f"{name} finding",
-                    f"step {d.get('step')}: {d.get('action')}: rank {v.get('rank')} {_x(v.get('slowdown'))} slower "
-                    f"in {v.get('section')!r} since ~step {v.get('onset_step')}",
-                )
-            )
-    else:
-        rows.append((f"{name} findings", "none (no slowdown reached the alert level)"))
-    if logged:
-        worst = max((d["verdict"].get("slowdown") or 0.0 for d in logged), default=0.0)
-        ranks = sorted({d["verdict"].get("rank") for d in logged}, key=lambda r: (r is None, r))
+    for d in findings[-8:]:
+        v = d["verdict"]
         rows.append(
             (
-                f"{name} noted (log only)",
-                f"{len(logged)} slowdown(s) below the alert level, up to {_x(worst)} on rank(s) "
-                f"{', '.join(map(str, ranks))}: within run-to-run noise, not a finding",
+                f"{name} finding",
+                f"step {d.get('step')}: {d.get('action')}: {_who(v)} {_x(v.get('slowdown'))} slower in "
+                f"{v.get('section')!r} since ~step {v.get('onset_step')}",
             )
         )
+    if not findings:
+        rows.append((f"{name} findings", "none (no slowdown reached the alert level)"))
+    for label, items, why in (
+        ("noted (log only)", logged, "below the alert level, not a finding"),
+        ("within noise", noise, "within the run-to-run jitter, not acted on, not a finding"),
+    ):
+        if items:
+            worst = max((v.get("slowdown") or 0.0 for v in items), default=0.0)
+            who = sorted({_who(v) for v in items})
+            rows.append((f"{name} {label}", f"{len(items)} slowdown(s) up to {_x(worst)} on {', '.join(who)}: {why}"))
     return rows
 
 

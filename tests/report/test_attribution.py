@@ -3,13 +3,17 @@ exit codes, fault notes and stack dumps; and from the run directory the real wri
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from lightning_resilience.exit_codes import ExitCode
 from lightning_resilience.ft.restart import FaultNote
+from lightning_resilience.launch.records import AttemptRecord as LaunchedAttempt
+from lightning_resilience.launch.records import RankEnd, append_record
 from lightning_resilience.report.attribution import (
     AttemptEvidence,
     FailureKind,
@@ -229,3 +233,46 @@ def test_stack_dumps_are_found_after_the_run_directory_moved(tmp_path: Path) -> 
 def test_a_run_directory_without_a_ledger_has_nothing_to_explain(tmp_path: Path) -> None:
     records, attributions, timeline = explain_run(tmp_path)
     assert (records.attempts, attributions, timeline) == ([], [], None)
+
+
+# --------------------------------------------------------------------------- with the launcher's records
+def _launched(run_dir: Path, attempt: int, started: float, ended: float, ranks: list[RankEnd], **kw: Any) -> None:
+    record = LaunchedAttempt(
+        launch_id="l1", attempt=attempt, started_at=started, ended_at=ended, outcome=kw.pop("outcome", "failed"),
+        agent_exit_code=1, ranks=ranks, cause=None, step_at_start=None, step_at_end=None, progress=False,
+        no_progress_count=0, decision="restart", exit_code=None, reason="restart 1 of 2", **kw,
+    )  # fmt: skip
+    append_record(run_dir / "launch", record)
+
+
+def test_the_launchers_records_name_the_signal_and_who_was_stopped(tmp_path: Path) -> None:
+    """Under `lightning-resilience launch`: rank 1's SIGKILL is known, rank 0's broken collective is its victim."""
+    run_dir = write_job(tmp_path / "run")
+    _, before, _ = explain_run(run_dir)
+    kill = before[2]
+    ledger_start = json.loads((run_dir / "ft_ledger.json").read_text())["attempts"][2]["started_at"]
+    # the writer's clock: the attempt's last step at +12 s, rank 0's note (its broken collective) at +13 s
+    _launched(run_dir, 2, ledger_start - 3.0, ledger_start + 20.0, [
+        RankEnd(rank=0, exit_code=1, exception={"type": "RuntimeError", "message": GLOO_RESET.split(": ", 1)[1]},
+                ended_at=ledger_start + 13.5),
+        RankEnd(rank=1, signal="SIGKILL", ended_at=ledger_start + 12.6),
+    ])  # fmt: skip
+    # an attempt that never reached its first step: the ledger never saw it, the launcher did
+    _launched(run_dir, 9, ledger_start + 500.0, ledger_start + 520.0, [
+        RankEnd(rank=0, exit_code=1, exception={"type": "ImportError", "message": "no module named 'x[y]'"},
+                ended_at=ledger_start + 510.0),
+        RankEnd(rank=1, stopped_by_launcher=True, signal="SIGTERM", ended_at=ledger_start + 511.0),
+    ])  # fmt: skip
+    records, after, timeline = explain_run(run_dir)
+    assert kill.cause is not None and kill.cause.kind is FailureKind.LOST  # before: inferred
+    cause = after[2].cause
+    assert cause is not None and (cause.rank, cause.kind) == (1, FailureKind.SIGNAL) and not cause.inferred
+    assert "SIGKILL" in cause.detail and "launcher record" in cause.evidence
+    assert [v.rank for v in after[2].victims] == [0] and after[2].detection_s == pytest.approx(0.4)
+    # the other attempts are explained as before
+    assert [a.outcome for a in after[:2]] == ["fault", "preempted"]
+    extra = after[-1]
+    assert len(after) == 5 and records.attempts[-1].restart_count == 9
+    assert extra.cause is not None and extra.cause.rank == 0 and extra.cause.detail.startswith("ImportError")
+    assert [(v.rank, "stopped by the launcher" in v.evidence) for v in extra.victims] == [(1, True)]
+    assert timeline is not None and len(timeline.attempts) == 5

@@ -112,10 +112,13 @@ def test_noise_level_straggler_notes_are_not_findings() -> None:
         verdict = {"rank": rank, "slowdown": slowdown, "section": "step", "onset_step": 10, "step": 20}
         return {"action": action, "step": 20, "threshold": 1.2, "verdict": verdict}
 
-    noise = _render(assemble({"straggler_detection": {"decisions": [decision("log", 1, 1.21)], "verdicts": [{}]}}))
+    jitter = {"rank": 0, "slowdown": 1.16, "section": "compute", "onset_step": 5, "step": 9, "noise": 0.08}
+    section = {"decisions": [decision("log", 1, 1.21)], "verdicts": [{}], "noise_level": [jitter]}
+    noise = _render(assemble({"straggler_detection": section}))
     assert "none (no slowdown reached the alert level)" in noise
-    assert "1 slowdown(s) below the alert level, up to 1.21x on rank(s) 1: within run-to-run noise" in noise
-    real = _render(assemble({"straggler_detection": {"decisions": [decision("alert", 3, 1.8)]}}))
+    assert "noted (log only) │ 1 slowdown(s) up to 1.21x on rank 1: below the alert level, not a finding" in noise
+    assert "within noise     │ 1 slowdown(s) up to 1.16x on rank 0: within the run-to-run jitter" in noise
+    real = _render(assemble({"straggler_detection": {"decisions": [decision("alert", 3, 1.8)], "noise_level": []}}))
     assert "finding" in real and "rank 3 1.80x slower" in real and "none (no slowdown" not in real
 
 
