@@ -1,5 +1,6 @@
-"""`make demo` end to end: 2 ranks, rank 1 SIGKILLed at step 47, the job restarts, resumes and finishes; its run
-directory holds the goodput timeline and a report that names rank 1's death as the cause, rank 0 as its victim."""
+"""`make demo` end to end: 2 ranks under `lightning-resilience launch`, rank 1 SIGKILLed at step 47, the job
+restarts, resumes and finishes; its run directory holds the goodput timeline and a report that names rank 1's
+SIGKILL as the cause, rank 0 as its victim."""
 
 from __future__ import annotations
 
@@ -35,13 +36,12 @@ def test_the_demo_leaves_its_timeline_and_names_the_killed_rank(tmp_path: Path) 
     killed, finished = report["attempts"]
     cause = killed["cause"]
     assert killed["outcome"] == "fault" and cause["rank"] == 1, killed
-    if "launcher record" in cause["evidence"]:  # launched with exit records: the signal itself is known
-        assert cause["kind"] == "signal" and "SIGKILL" in cause["detail"]
-    else:  # plain torchrun: rank 1 left nothing while rank 0's collective broke
-        assert cause["kind"] == "lost" and cause["evidence"] == ["inferred"]
+    # the launcher recorded how each rank ended: the signal itself is known, not inferred
+    assert cause["kind"] == "signal" and "SIGKILL" in cause["detail"] and "launcher record" in cause["evidence"]
     assert 0 in [v["rank"] for v in killed["victims"]]
     assert finished["outcome"] == "finished" and finished["cause"] is None
-    assert "attempt 0 ended: rank 1" in proc.stdout and f"goodput timeline: {run_dir / 'timeline.png'}" in proc.stdout
+    assert "attempt 0 ended: rank 1: killed by SIGKILL" in proc.stdout
+    assert f"goodput timeline: {run_dir / 'timeline.png'}" in proc.stdout
     # the timeline: the restart restored a committed step and recomputed the steps after it
     second = report["timeline"]["attempts"][1]
     assert second["restored_from"] == "local" and second["restored_step"] % 10 == 0
