@@ -23,7 +23,14 @@ class SDCConfig:
     """What SDC verification checks, how often, and what it does about a confirmed corruption."""
 
     guards: bool = True
-    """Check every step for NaN/Inf and robust spikes in the loss and the gradient norm (one norm, one scalar read)."""
+    """Check every step for NaN/Inf and robust spikes in the loss and the gradient norm (one fused norm on the
+    device; see ``guard_read_lag`` for when the values reach the host)."""
+    guard_read_lag: int = 1
+    """Steps between a guard's values and their check. 1: copied to the host without blocking and checked at the
+    next step, so the step path never waits for the device; a guard that fires then asks for a replay round of the
+    next step and a non-finite loss or gradient, whose update is applied by then, asks for a rollback. 0: checked
+    before the optimizer step (one host read per step on a GPU), so a guard-triggered replay can recompute a corrupt
+    gradient in place."""
     guard_window: int = 64
     """Recent values kept per guard for the robust baseline (median / MAD)."""
     guard_min_history: int = 8
@@ -73,7 +80,7 @@ class SDCConfig:
             )
         if not (math.isfinite(self.guard_threshold) and self.guard_threshold > 0):
             raise ConfigError("sdc", "guard_threshold", f"must be a finite number > 0, got {self.guard_threshold}")
-        for key in ("param_norm_every_n_steps", "replay_every_n_steps", "reconcile_every_n_steps"):
+        for key in ("guard_read_lag", "param_norm_every_n_steps", "replay_every_n_steps", "reconcile_every_n_steps"):
             if getattr(self, key) < 0:
                 raise ConfigError("sdc", key, f"must be >= 0, got {getattr(self, key)}")
         if self.max_opinions < 3:

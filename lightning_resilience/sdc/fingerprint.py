@@ -10,6 +10,9 @@ needs. Digests are per tensor: compare a DDP bucket's content through the gradie
 
 A tolerance digest (for kernels that are not bitwise reproducible) keeps the float64 sum, sum of squares and largest
 magnitude instead; two digests match when they are close within ``rtol``/``atol``.
+
+A digest is computed where the tensor lives and stays there: :func:`digest_all` stacks many and reads them to the host
+with one copy, so a check costs one host read however many tensors it covers.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+
+from lightning_resilience._staging import to_host
 
 __all__ = ["BitwiseDigest", "Digest", "ToleranceDigest", "make_digest"]
 
@@ -30,7 +35,8 @@ class Digest(Protocol):
     width: int
 
     def compute(self, tensor: torch.Tensor | None) -> torch.Tensor:
-        """The digest of one tensor, shape ``[width]`` on the CPU; ``None`` (no gradient) digests as zeros."""
+        """The digest of one tensor, shape ``[width]`` on the tensor's device (nothing is read to the host);
+        ``None`` (no gradient) digests as zeros on the host."""
         ...
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
@@ -78,7 +84,7 @@ class BitwiseDigest:
             total = total + tail.sum()
             by_row = by_row + tail.sum() * (full // self.row + 1)
             by_col = by_col + (tail * torch.arange(1, n - full + 1, device=dev)).sum()
-        return torch.stack([total, by_row, by_col]).cpu()
+        return torch.stack([total, by_row, by_col])
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.sum(dim=0)  # only for a summary: position weights are per tensor
@@ -100,7 +106,7 @@ class ToleranceDigest:
         if tensor is None or tensor.numel() == 0:
             return torch.zeros(self.width, dtype=torch.float64)
         x = tensor.detach().reshape(-1).to(torch.float64)
-        return torch.stack([x.sum(), x.square().sum(), x.abs().max()]).cpu()
+        return torch.stack([x.sum(), x.square().sum(), x.abs().max()])
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.stack([rows[:, 0].sum(), rows[:, 1].sum(), rows[:, 2].max()])
@@ -119,10 +125,10 @@ def make_digest(compare: str, rtol: float = 1e-5, atol: float = 1e-8) -> Bitwise
 
 
 def digest_all(digest: Digest, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
-    """Digests of several tensors, stacked: ``[len(tensors), digest.width]``."""
+    """Digests of several tensors, stacked on the host: ``[len(tensors), digest.width]`` (one device read)."""
     if not tensors:
         return torch.zeros(0, digest.width)
-    return torch.stack([digest.compute(t) for t in tensors])
+    return to_host([digest.compute(t) for t in tensors])
 
 
 def group_rows(digest: Digest, rows: torch.Tensor, groups: Sequence[Sequence[int]]) -> torch.Tensor:

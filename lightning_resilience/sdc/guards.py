@@ -3,6 +3,10 @@ parameter norm against a running median/MAD baseline.
 
 A guard never decides on its own that data is corrupt: it asks for a replay, which tells a corrupt step from a step
 whose numbers are genuinely unusual.
+
+The values are computed where the model lives; :class:`GuardReader` brings them to the host. With a read lag of one
+step (the default) they travel by a non-blocking copy into pinned memory and are checked at the next step, so the
+step path never waits for the device; with no lag they are read (one host read) before the optimizer step.
 """
 
 from __future__ import annotations
@@ -11,10 +15,13 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
-__all__ = ["GuardReport", "Guards", "RobustBaseline", "grad_norm", "param_norm"]
+from lightning_resilience._staging import HostStage
+
+__all__ = ["GuardReader", "GuardReport", "Guards", "RobustBaseline", "grad_norm", "param_norm"]
 
 _MAD_TO_SIGMA = 1.4826
 
@@ -67,22 +74,25 @@ class GuardReport:
     loss: float | None = None
     grad_norm: float | None = None
     param_norm: float | None = None
+    replayed: bool = False
+    """A replay round verified this step's gradients (read late: a spike then is genuine, not a fault)."""
 
 
-def grad_norm(params: Iterable[torch.Tensor]) -> float:
-    """L2 norm of all gradients (NaN or Inf if any element is): one fused pass and one scalar read."""
+def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor | None:
+    """L2 norm of all gradients (NaN or Inf if any element is) as a 0-d tensor where they live: one fused pass,
+    nothing read to the host. None when no parameter has a gradient."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return 0.0
-    return float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
+        return None
+    return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
 
 
-def param_norm(params: Iterable[torch.Tensor]) -> float:
-    """L2 norm of all parameters."""
+def param_norm(params: Iterable[torch.Tensor]) -> torch.Tensor | None:
+    """L2 norm of all parameters as a 0-d tensor where they live (nothing read to the host); None without any."""
     tensors = [p.detach() for p in params]
     if not tensors:
-        return 0.0
-    return float(torch.nn.utils.get_total_norm(tensors, norm_type=2.0))
+        return None
+    return torch.nn.utils.get_total_norm(tensors, norm_type=2.0)
 
 
 class Guards:
@@ -137,3 +147,67 @@ class Guards:
             if self._last_param_norm is not None:
                 self.param_norm_delta.add(report.param_norm - self._last_param_norm)
             self._last_param_norm = report.param_norm
+
+
+_LOSS, _GRAD, _PARAM = "loss", "grad_norm", "param_norm"
+
+
+class GuardReader:
+    """Computes a step's guard values on the device and checks them on the host, now or one step later.
+
+    Args:
+        guards: the baselines and thresholds.
+        lag: 0 reads the values before the optimizer step (one host read per step on a GPU); 1 or more stages them
+            to the host without waiting and checks them once the copy has landed (at the next step on a CPU; on a
+            GPU when the device has caught up, at most ``lag + 2`` steps later).
+    """
+
+    def __init__(self, guards: Guards, lag: int) -> None:
+        if lag < 0:
+            raise ValueError(f"guard read lag must be >= 0, got {lag}")
+        self.guards = guards
+        self.lag = lag
+        self._stage = HostStage(max_pending=lag + 2)
+
+    @property
+    def forced_reads(self) -> int:
+        """Readings the host had to wait for (the device was more than ``lag + 2`` steps behind)."""
+        return self._stage.forced_reads
+
+    def observe(
+        self,
+        step: int,
+        loss: torch.Tensor | None,
+        grad: torch.Tensor | None,
+        param: torch.Tensor | None,
+        *,
+        replayed: bool = False,
+    ) -> GuardReport | None:
+        """Record step ``step``'s values (0-d tensors, None: not measured). With no lag, returns the checked report
+        (values not yet accepted); otherwise stages them and returns None. ``replayed``: a replay round verified
+        this step's gradients already (its report comes back with ``replayed`` set)."""
+        names = tuple(n for n, v in ((_LOSS, loss), (_GRAD, grad), (_PARAM, param)) if v is not None)
+        if not names:
+            return None
+        values = torch.stack([v.detach().reshape(()).to(torch.float64) for v in (loss, grad, param) if v is not None])
+        if self.lag == 0:
+            return self._check(step, names, values.tolist())
+        self._stage.put((step, names, replayed), values)
+        return None
+
+    def arrived(self) -> list[GuardReport]:
+        """Checked reports of the staged steps whose values reached the host, oldest first (never waits)."""
+        out = []
+        for key, values in self._stage.ready():
+            step, names, replayed = cast(tuple[int, tuple[str, ...], bool], key)
+            report = self._check(step, names, values)
+            report.replayed = replayed
+            out.append(report)
+        return out
+
+    def clear(self) -> None:
+        self._stage.clear()
+
+    def _check(self, step: int, names: tuple[str, ...], values: list[float]) -> GuardReport:
+        got = dict(zip(names, values))
+        return self.guards.check(step, got.get(_LOSS), got.get(_GRAD), got.get(_PARAM))

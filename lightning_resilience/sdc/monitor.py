@@ -1,12 +1,16 @@
 """SDCMonitor: the per-step driver of SDC verification. Framework-free: a training loop (or a Lightning callback)
 tells it where a step begins, what the loss was, and when the optimizer is about to step and has stepped.
 
-Per step: guards (always on, local, cheap) -> one collective flag. At the replay cadence, or at once when a guard
-fired on any rank: a replay round (self replay, partner replay of a neighbour's batch, more opinions until a vote
+Per step: guards (always on, local, cheap; their values reach the host without stalling the device, by default one
+step late) -> one collective flag on the side gloo group. At the replay cadence, or when a guard fired on any rank:
+a replay round (self replay, partner replay of a neighbour's batch, more opinions until a vote
 decides) compares local pre-all-reduce gradients. A corrupt gradient caught this way is recomputed before the
 optimizer step. After the step, at its own cadence: cross-replica reconciliation of parameter and optimizer-state
 digests. A corruption that cannot be fixed in place marks the run dirty and asks for a rollback to the newest step
 verified clean. Every decision is computed by every rank from the same gathered data.
+
+No device value is read on an ordinary step: digests are taken only on the steps a replay or reconciliation checks,
+stay on the device, and reach the host in one read per check.
 """
 
 from __future__ import annotations
@@ -24,23 +28,25 @@ import torch
 import torch.distributed as dist
 
 from lightning_resilience.sdc.config import SDCConfig
-from lightning_resilience.sdc.fingerprint import group_rows, make_digest
-from lightning_resilience.sdc.guards import GuardReport, Guards, grad_norm, param_norm
-from lightning_resilience.sdc.localize import Ballot, Opinion, next_device, vote
+from lightning_resilience.sdc.fingerprint import make_digest
+from lightning_resilience.sdc.guards import GuardReader, GuardReport, Guards, grad_norm, param_norm
+from lightning_resilience.sdc.localize import Ballot
 from lightning_resilience.sdc.reconcile import ReplicaReconciler
 from lightning_resilience.sdc.replay import (
     BucketFingerprintHook,
     GradientReplayer,
     RngState,
     capture_rng,
-    map_tensors,
-    rng_as,
 )
+from lightning_resilience.sdc.rounds import ReplayRound
 from lightning_resilience.sdc.verdict import SDCEvent, Verdict
 
 __all__ = ["SDCMonitor", "SDCStats", "StepOutcome"]
 
 log = logging.getLogger(__name__)
+
+_PARAM_GUARDS = ("param_norm_jump", "nonfinite_param")
+"""Guards about stored state: a replay does not cover them, a reconciliation does."""
 
 
 @dataclass
@@ -50,6 +56,8 @@ class SDCStats:
     steps: int = 0
     guard_seconds: float = 0.0
     guard_fired: dict[str, int] = field(default_factory=dict)
+    guard_forced_reads: int = 0
+    """Guard readings the host had to wait for (the device ran too far behind); 0 on a CPU."""
     replay_rounds: int = 0
     replays: int = 0
     replay_seconds: float = 0.0
@@ -101,6 +109,7 @@ class SDCMonitor:
         self.optimizers = list(optimizers)
         self.digest = make_digest(self.config.compare, self.config.rtol, self.config.atol)
         self.guards = Guards(self.config.guard_window, self.config.guard_min_history, self.config.guard_threshold)
+        self.reader = GuardReader(self.guards, self.config.guard_read_lag)
         self.reconciler = ReplicaReconciler(self.named_params, self.optimizers, self.digest)
         self.stats = SDCStats()
         self.events: list[SDCEvent] = []
@@ -123,6 +132,10 @@ class SDCMonitor:
         self._rng: RngState | None = None
         self._loss: torch.Tensor | None = None
         self._guard_report: GuardReport | None = None
+        self._fired: list[GuardReport] = []
+        """Guard reports (this rank's) that triggered this step's replay round."""
+        self._guard_triggered = False
+        self._late_nonfinite = False
         self._force_reconcile = False
         self._step_checked = False
         self._step_ok = True
@@ -170,12 +183,55 @@ class SDCMonitor:
 
     # --------------------------------------------------------------- per step
     def begin_step(self, step: int, batch: Any) -> None:
-        """A step starts: ``step`` optimizer steps are done; keep a reference to the batch and the RNG state."""
+        """A step starts: ``step`` optimizer steps are done; keep a reference to the batch and the RNG state.
+
+        With a guard read lag, the guard values of earlier steps that reached the host are checked here and the
+        ranks agree (one small all-reduce on the side gloo group, host values) whether this step is replayed."""
         self._step, self._batch, self._loss = step, batch, None
         self._rng = capture_rng()
         self._step_checked, self._step_ok = False, True
+        self._fired, self._late_nonfinite = [], False
+        fired = False
+        if self.config.guards and self.reader.lag > 0:
+            fired, jumped, nonfinite = self._check_arrived()
+            fired, jumped, nonfinite = self._any_of(fired, jumped, nonfinite)
+            self._force_reconcile = self._force_reconcile or jumped
+            self._late_nonfinite = nonfinite
+        self._guard_triggered = fired and not self.dirty
         if self._hook is not None:
             self._hook.reset()
+            # digest buckets only when this step's gradients will be compared (with no lag a guard may ask at once)
+            replay = self._guard_triggered or self._due(self.config.replay_every_n_steps)
+            self._hook.enabled = replay or (self.config.guards and self.reader.lag == 0)
+
+    def _check_arrived(self) -> tuple[bool, bool, bool]:
+        """Check the staged guard values that reached the host: (a loss/gradient guard fired, a parameter guard
+        fired, a value was not finite). Reports that ask for no replay enter the baselines at once."""
+        fired = jumped = nonfinite = False
+        for report in self.reader.arrived():
+            self._count_fired(report)
+            step_guards = [f for f in report.fired if f not in _PARAM_GUARDS]
+            if report.replayed:  # the replay matched: a spike is genuine, but a non-finite update is applied
+                step_guards = [f for f in step_guards if f.startswith("nonfinite")]
+            state_guards = [f for f in report.fired if f in _PARAM_GUARDS]
+            if step_guards:
+                self._fired.append(report)
+                fired = True
+                nonfinite = nonfinite or any(f.startswith("nonfinite") for f in step_guards)
+            jumped = jumped or bool(state_guards)
+            if not step_guards:  # a parameter-norm jump is settled by the reconciliation it forces, not here
+                self.guards.accept(report)
+        self.stats.guard_forced_reads = self.reader.forced_reads
+        return fired, jumped, nonfinite
+
+    def _observe_guards(self, replayed: bool = False) -> GuardReport | None:
+        pn = param_norm(self.params) if self._due(self.config.param_norm_every_n_steps) else None
+        self._guard_report = self.reader.observe(self._step, self._loss, grad_norm(self.params), pn, replayed=replayed)
+        return self._guard_report
+
+    def _count_fired(self, report: GuardReport) -> None:
+        for name in report.fired:
+            self.stats.guard_fired[name] = self.stats.guard_fired.get(name, 0) + 1
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         self._loss = loss.detach()
@@ -188,37 +244,49 @@ class SDCMonitor:
         assert self._replayer is not None, "SDCMonitor.attach() must be called before the first step"
         cfg, out = self.config, StepOutcome(self._step + 1)
         self.stats.steps += 1
-        fired_anywhere = False
-        if cfg.guards:
+        if cfg.guards and self.reader.lag == 0:  # checked now: a guard that fires asks for this step's replay
             start = self._clock()
-            pn = param_norm(self.params) if self._due(cfg.param_norm_every_n_steps) else None
-            loss = float(self._loss) if self._loss is not None else None
-            self._guard_report = self.guards.check(self._step, loss, grad_norm(self.params), pn)
-            fired = [f for f in self._guard_report.fired if f not in ("param_norm_jump", "nonfinite_param")]
-            if len(fired) < len(self._guard_report.fired):
+            report = self._observe_guards()
+            assert report is not None
+            fired = [f for f in report.fired if f not in _PARAM_GUARDS]
+            if len(fired) < len(report.fired):
                 self._force_reconcile = True
-            fired_anywhere = self._any(bool(fired))
+            self._fired = [report] if fired else []
+            self._guard_triggered = self._any(bool(fired))
+            self._count_fired(report)
             self.stats.guard_seconds += self._clock() - start
-            for name in self._guard_report.fired:
-                self.stats.guard_fired[name] = self.stats.guard_fired.get(name, 0) + 1
         if self._hook is not None:
             self.stats.fingerprint_seconds = self._hook.seconds
-        if self.dirty:  # condemned already: nothing to learn until the rollback
-            return out
-        if fired_anywhere or self._due(cfg.replay_every_n_steps):
+        replay = not self.dirty and (self._guard_triggered or self._due(cfg.replay_every_n_steps))
+        if replay:
             start = self._clock()
-            self._replay_round(out, fired_anywhere)
+            self._replay_round(out, self._guard_triggered)
             self.stats.replay_seconds += self._clock() - start
         elif self._guard_report is not None and not self._force_reconcile:
             self.guards.accept(dataclasses.replace(self._guard_report, param_norm=None))  # folded in after the step
+        if cfg.guards and self.reader.lag > 0:  # staged after any recompute: the values of the applied update
+            start = self._clock()
+            self._observe_guards(replayed=replay and not out.needs_rollback)
+            self.stats.guard_seconds += self._clock() - start
+        if self._late_nonfinite and not self.dirty:
+            # the non-finite loss or gradients of an earlier step were seen late: that update is already applied
+            steps = sorted({r.step + 1 for r in self._fired if any(f.startswith("nonfinite") for f in r.fired)})
+            detail = (
+                f"non-finite loss or gradients at step {steps or '(another rank)'}, read {self.reader.lag} step(s) "
+                "late: the update is applied; roll back to a verified step"
+            )
+            self._record(out, SDCEvent(out.step, "guard:nonfinite", Verdict.ANOMALY, [], "rollback", detail))
+            self._fail(out, [])
         return out
 
     def after_optimizer_step(self) -> StepOutcome:
         """Cross-replica reconciliation when due; records whether the new state is verified. Collective."""
         out = StepOutcome(self._step + 1)
-        # only a parameter-norm check (at its cadence) can ask for this: no agreement on the other steps
-        param_checked = self.config.guards and self._due(self.config.param_norm_every_n_steps)
-        force = self._any(self._force_reconcile) if param_checked else False
+        if self.reader.lag > 0:
+            force = self._force_reconcile  # agreed at the start of the step
+        else:  # only a parameter-norm check (at its cadence) can ask for this: no agreement on the other steps
+            param_checked = self.config.guards and self._due(self.config.param_norm_every_n_steps)
+            force = self._any(self._force_reconcile) if param_checked else False
         self._force_reconcile = False
         if force and self.world_size == 1:
             detail = "parameter norm jumped; one replica cannot be reconciled (a replay does not cover stored state)"
@@ -231,152 +299,20 @@ class SDCMonitor:
             if ballot.dissent or not ballot.decided:
                 self._diverged(out, ballot, differing)
             self.stats.reconcile_seconds += self._clock() - start
-        if self._guard_report is not None and self._step_ok and self._guard_report.param_norm is not None:
+        if (
+            self.reader.lag == 0
+            and self._guard_report is not None
+            and self._step_ok
+            and self._guard_report.param_norm is not None
+        ):
             self.guards.accept(GuardReport(self._step, param_norm=self._guard_report.param_norm))
         if self._step_checked and self._step_ok and not self.dirty:
             self.verified_steps.add(out.step)
         out.checked = self._step_checked
         return out
 
-    # ----------------------------------------------------------------- replay
-    def _originals(self) -> tuple[torch.Tensor | None, list[list[int]]]:
-        assert self._replayer is not None
-        groups = [[i] for i in range(len(self.params))]
-        if self._hook is not None and self._hook.digests:
-            return self._hook.collected(), groups
-        groups = [[i] for i in range(len(self.params))]
-        if self.world_size > 1:  # the gradients on the parameters are averaged already: nothing local to compare
-            return None, groups
-        return self._replayer.local_digests(), groups
-
     def _replay_round(self, out: StepOutcome, guard_fired: bool) -> None:
-        assert self._replayer is not None and self._rng is not None
-        cfg, world, rank = self.config, self.world_size, self.rank
-        self.stats.replay_rounds += 1
-        self._step_checked = True
-        original, groups = self._originals()
-        partner = world > 1 and cfg.partner_replay
-        cpu_batch = map_tensors(self._batch, lambda t: t.detach().cpu())
-        inputs: list[Any] = self._gather((cpu_batch, self._rng)) if partner else [None] * world
-        inputs[rank] = (self._batch, self._rng)
-        originals = self._gather(original)
-        opinions: dict[int, list[Opinion]] = {b: [] for b in range(world)}
-        raw: dict[int, list[torch.Tensor | None]] = {b: [] for b in range(world)}  # per-parameter digests
-        for b, o in enumerate(originals):
-            if o is not None:
-                opinions[b].append(Opinion(b, "original", o))
-                raw[b].append(None)
-        own_grads: list[tuple[torch.Tensor, list[torch.Tensor | None]]] = []
-        plan = {b: [b] + ([(b + 1) % world] if partner else []) for b in range(world)}
-        ballots: dict[int, Ballot] = {}
-        while plan:
-            mine: dict[int, torch.Tensor] = {}
-            for b, devices in plan.items():
-                if rank not in devices:
-                    continue
-                batch, rng = inputs[b]
-                if b != rank:
-                    batch = map_tensors(batch, self._to_device)
-                digests, grads = self._replayer.replay(batch, rng)
-                self.stats.replays += 1
-                mine[b] = digests
-                if b == rank:
-                    own_grads.append((group_rows(self.digest, digests, groups), grads))
-            for device, results in enumerate(self._gather(mine)):
-                for b, digests in results.items():
-                    raw[b].append(digests)
-                    opinions[b].append(Opinion(device, "replay", group_rows(self.digest, digests, groups)))
-            plan = {}
-            for b in range(world):
-                ballots[b] = vote(opinions[b], self.digest.equal)
-                if ballots[b].decided or len(opinions[b]) >= cfg.max_opinions:
-                    continue
-                plan[b] = [next_device(b, opinions[b], world, others=partner)]
-        self._conclude_replay(out, guard_fired, opinions, ballots, raw, own_grads)
-
-    def _conclude_replay(
-        self,
-        out: StepOutcome,
-        guard_fired: bool,
-        opinions: dict[int, list[Opinion]],
-        ballots: dict[int, Ballot],
-        raw: dict[int, list[torch.Tensor | None]],
-        own_grads: list[tuple[torch.Tensor, list[torch.Tensor | None]]],
-    ) -> None:
-        if self.world_size > 1 and any(b.verdict is not Verdict.CLEAN for b in ballots.values()):
-            # a replay on another rank proves something only if the replicas are identical: check that first
-            ballot, differing = self.reconciler.reconcile(self._gather_tensor)
-            self.stats.reconcile_rounds += 1
-            if ballot.dissent or not ballot.decided:
-                self._diverged(out, ballot, differing)
-                return
-        fired = self._guard_report.fired if guard_fired and self._guard_report is not None else []
-        mechanism = "replay" + (f" (guard: {','.join(fired)})" if fired else "")
-        corrupt_original: list[int] = []
-        unfixable: list[int] = []
-        for b, ballot in ballots.items():
-            ops = opinions[b]
-            original_bad = ballot.decided and any(ops[i].kind == "original" for i in ballot.dissent)
-            if ballot.verdict is Verdict.CLEAN:
-                continue
-            if original_bad and b in ballot.transient:
-                corrupt_original.append(b)
-                action, detail = "recomputed", f"rank {b}'s gradients differ from its replay and the vote"
-            elif not original_bad and ballot.decided:
-                action = "none"
-                detail = f"a replay of rank {b}'s batch was wrong; the step itself was right"
-            else:
-                unfixable.append(b)
-                action = "rollback"
-                detail = f"rank {b}'s batch: " + ("no majority among the replays" if not ballot.decided else
-                                                  "a device reproduces a wrong result")  # fmt: skip
-            self._record(out, SDCEvent(out.step, mechanism, ballot.verdict, ballot.suspects, action, detail))
-        if guard_fired and not out.events:
-            self._record(out, SDCEvent(out.step, mechanism, Verdict.ANOMALY, [], "none",
-                                       "the replay reproduced the step: not a hardware fault"))  # fmt: skip
-        if unfixable:
-            self._fail(out, sorted({s for b in unfixable for s in ballots[b].suspects}))
-            return
-        if corrupt_original and not self._recompute(out, opinions, ballots, raw, own_grads):
-            self._fail(out, corrupt_original)
-            return
-        if self._guard_report is not None and not corrupt_original:
-            self.guards.accept(dataclasses.replace(self._guard_report, param_norm=None))  # folded in after the step
-
-    def _recompute(
-        self,
-        out: StepOutcome,
-        opinions: dict[int, list[Opinion]],
-        ballots: dict[int, Ballot],
-        raw: dict[int, list[torch.Tensor | None]],
-        own_grads: list[tuple[torch.Tensor, list[torch.Tensor | None]]],
-    ) -> bool:
-        """Replace the corrupt gradients by correct ones; True if the result agrees with the vote everywhere."""
-        assert self._replayer is not None and self._rng is not None
-        if self._hook is None:  # one rank: install the replay gradients the vote agreed with
-            majority = opinions[self.rank][ballots[self.rank].majority[0]].digest
-            for digests, grads in own_grads:
-                if self.digest.equal(digests, majority):
-                    for p, g in zip(self.params, grads):
-                        p.grad = g
-                    self.stats.recomputed += 1
-                    return True
-            return False
-        # DDP: every rank recomputes with synchronisation, so the all-reduce averages correct contributions
-        assert self._synced_loss_fn is not None
-        for p in self.params:
-            p.grad = None
-        self._hook.reset()
-        with rng_as(self._rng), torch.enable_grad():
-            self._synced_loss_fn(self._batch).backward()
-        new, groups = self._hook.collected(), [[i] for i in range(len(self.params))]
-        ok = True
-        for b, digest in enumerate(self._gather(new)):
-            agreed = [d for d in (raw[b][i] for i in ballots[b].majority) if d is not None]
-            ok = ok and bool(agreed) and self.digest.equal(group_rows(self.digest, agreed[0], groups), digest)
-        if ok:
-            self.stats.recomputed += 1
-        return ok
+        ReplayRound(self).run(out, guard_fired)
 
     # ------------------------------------------------------------- decisions
     def _record(self, out: StepOutcome, event: SDCEvent) -> None:
@@ -426,11 +362,15 @@ class SDCMonitor:
         return [t for t in self._gather(tensor)]
 
     def _any(self, flag: bool) -> bool:
+        return self._any_of(flag)[0]
+
+    def _any_of(self, *flags: bool) -> tuple[bool, ...]:
+        """Whether any rank raised each flag: one all-reduce of host values on the side gloo group."""
         if self.world_size == 1:
-            return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+            return flags
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(t.item())
+        return tuple(bool(v) for v in t.tolist())
 
     # ------------------------------------------------------------------ state
     def reset(self, step: int = 0) -> None:
@@ -439,6 +379,7 @@ class SDCMonitor:
         self.events, self.suspects, self.dirty = [], {}, False
         self.verified_steps = {step}
         self._force_reconcile = False
+        self.reader.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {"verified_steps": sorted(self.verified_steps)[-64:], "events": [e.to_json() for e in self.events]}

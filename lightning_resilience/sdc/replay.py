@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_resilience._staging import to_host
 from lightning_resilience.sdc.fingerprint import Digest, digest_all
 
 __all__ = ["BucketFingerprintHook", "GradientReplayer", "RngState", "capture_rng", "map_tensors", "rng_as"]
@@ -62,8 +63,10 @@ class BucketFingerprintHook:
     """DDP communication hook state: digest each parameter's gradient in a bucket before the bucket's all-reduce,
     then all-reduce it (average).
 
-    Register with ``ddp_model.register_comm_hook(state, state.comm_hook)``. After each synchronised backward,
-    :meth:`collected` gives one digest per parameter of what this rank contributed.
+    Register with ``ddp_model.register_comm_hook(state, state.comm_hook)``. Digests are taken only while
+    :attr:`enabled` (the monitor turns it on for the steps whose gradients a replay will compare) and stay on the
+    device; after a synchronised backward, :meth:`collected` reads one digest per parameter of what this rank
+    contributed to the host (one read).
     """
 
     params: Sequence[torch.nn.Parameter]
@@ -71,7 +74,7 @@ class BucketFingerprintHook:
     process_group: Any = None
     enabled: bool = True
     digests: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Parameter index -> digest of its local gradient."""
+    """Parameter index -> digest of its local gradient (on the gradient's device)."""
     calls: int = 0
     seconds: float = 0.0
 
@@ -86,11 +89,10 @@ class BucketFingerprintHook:
         return _fingerprint_then_allreduce
 
     def collected(self) -> torch.Tensor:
-        """Per-parameter digests of the last synchronised backward (``[len(params), width]``; zeros: no gradient)."""
-        out = torch.zeros(len(self.params), self.digest.width, dtype=self.digest.compute(None).dtype)
-        for i, d in self.digests.items():
-            out[i] = d
-        return out
+        """Per-parameter digests of the last synchronised backward (``[len(params), width]`` on the host; zeros: no
+        gradient)."""
+        zero = self.digest.compute(None)
+        return to_host([self.digests.get(i, zero) for i in range(len(self.params))])
 
 
 def _fingerprint_then_allreduce(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

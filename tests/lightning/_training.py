@@ -38,7 +38,7 @@ def trainer(max_steps: int, callbacks: list[Callback], **kwargs: Any) -> Trainer
         max_steps=max_steps,
         accelerator="cpu",
         devices=kwargs.pop("devices", 1),
-        logger=False,
+        logger=kwargs.pop("logger", False),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -118,8 +118,9 @@ def test_confirmed_straggler_goes_through_the_policy(tmp_path: Path, policy: str
 
 
 def test_bit_flip_drill_is_caught_and_recomputed(tmp_path: Path) -> None:
+    # on a replay step of the full preset (every 50): caught before the optimizer step and recomputed in place
     proc = _run(
-        [*RECIPE, f"run_dir={tmp_path}", "resilience=full", "drill=bit_flip", "drill.step=10", "trainer.max_steps=16"]
+        [*RECIPE, f"run_dir={tmp_path}", "resilience=full", "drill=bit_flip", "drill.step=49", "trainer.max_steps=52"]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[drill] injected FlipRecord" in proc.stdout

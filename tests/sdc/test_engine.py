@@ -10,8 +10,9 @@ from lightning_resilience.sdc.fingerprint import BitwiseDigest, ToleranceDigest,
 from lightning_resilience.sdc.guards import Guards
 from lightning_resilience.sdc.inject import BIT_CLASSES, LOCATIONS, FlipSpec, bit_positions, flip_bit_
 from lightning_resilience.sdc.localize import Opinion, next_device, vote
+from lightning_resilience.sdc.monitor import SDCMonitor
 from lightning_resilience.sdc.verdict import Verdict
-from tests.sdc._loop import train
+from tests.sdc._loop import batches, make_model, train
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,3 +150,25 @@ def test_same_bit_in_two_elements_gives_two_digests() -> None:
     flip_bit_(a, 3, 30)
     flip_bit_(b, 40, 30)
     assert not d.equal(d.compute(a), d.compute(b))
+
+
+def test_guard_read_late_replays_the_next_step_and_keeps_the_update() -> None:
+    # a genuine spike (the loss scaled at one step): its values reach the host one step later, that step is
+    # replayed, the replay reproduces it, and training goes on (finite: no rollback)
+    model, opt = make_model()
+    monitor = SDCMonitor(list(model.named_parameters()), [opt], SDCConfig(replay_every_n_steps=0, guard_min_history=4))
+    monitor.setup()
+    monitor.attach(model.compute_loss)
+    for step, batch in enumerate(batches(0, 14)):
+        monitor.begin_step(step, batch)
+        loss = model.compute_loss(batch) * (1e4 if step == 9 else 1.0)
+        monitor.observe_loss(loss)
+        loss.backward()
+        assert not monitor.before_optimizer_step().needs_rollback
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        monitor.after_optimizer_step()
+    assert monitor.stats.replay_rounds == 1 and not monitor.dirty
+    [event] = monitor.events
+    assert (event.step, event.verdict, event.action) == (11, Verdict.ANOMALY, "none")
+    assert "loss_spike@10" in event.mechanism

@@ -61,12 +61,32 @@ def test_corrupt_gradient_is_recomputed_in_place(clean: dict[str, torch.Tensor],
 
 
 def test_guard_triggers_replay_between_cadence_steps(clean: dict[str, torch.Tensor]) -> None:
-    # replay cadence far away: only the non-finite / spike guards can trigger the replay that fixes the step
-    sdc = SDCVerification(SDCConfig(replay_every_n_steps=0, guard_min_history=4))
+    # replay cadence far away: only the non-finite / spike guards can trigger the replay that fixes the step; read
+    # before the optimizer step (no lag), the guard catches the corrupt gradient before it is applied
+    sdc = SDCVerification(SDCConfig(replay_every_n_steps=0, guard_min_history=4, guard_read_lag=0))
     inject = BitFlipInjection([FlipSpec("grad", step=7, bit_class="exponent", bit=30, seed=2)])
     assert_bitwise_equal(_fit([sdc, inject]), clean)
     [event] = sdc.events
     assert event.verdict is Verdict.TRANSIENT and event.action == "recomputed" and "guard" in event.mechanism
+
+
+def test_nonfinite_gradient_read_late_stops_with_verified_rollback(
+    tmp_path: Path, clean: dict[str, torch.Tensor]
+) -> None:
+    # the default read lag: the guard values of step 7 reach the host at step 8, after that update was applied; a
+    # non-finite update cannot be fixed in place, so the fit stops and names the newest verified committed step
+    tiers = [MemoryTier(every_n_steps=1, keep=2), LocalTier(tmp_path / "ckpt", every_n_steps=3, keep=4)]
+    config = SDCConfig(replay_every_n_steps=3, guard_min_history=4, rollback_tiers=["local"])
+    sdc, ckpt = SDCVerification(config), TieredCheckpoint(tiers, resume="never")
+    inject = BitFlipInjection([FlipSpec("grad", step=7, bit_class="exponent", bit=30, seed=2)])
+    model, data = build()
+    trainer(STEPS, [sdc, ckpt, inject, _SettlePersists(3)]).fit(model, datamodule=data)
+    assert sdc.stopped and sdc.rollback_step == 6
+    nonfinite = [e for e in sdc.events if e.mechanism == "guard:nonfinite"]
+    assert [(e.step, e.action) for e in nonfinite] == [(9, "rollback")]
+    assert sdc.stats.guard_fired.get("nonfinite_grad") == 1
+    resumed = _fit([SDCVerification(SDCConfig(replay_every_n_steps=3)), TieredCheckpoint(tiers, resume=6)])
+    assert_bitwise_equal(resumed, clean)
 
 
 def test_faulty_device_stops_with_verified_rollback_then_resume_matches_clean(

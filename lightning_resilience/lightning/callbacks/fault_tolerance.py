@@ -28,6 +28,7 @@ from lightning_resilience.ft.watchdog import (
     TimeoutCalibrator,
     Watchdog,
 )
+from lightning_resilience.lightning._metrics import log_host_metrics, logging_step
 from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
 
 __all__ = ["HANG_EXIT_CODE", "PREEMPT_EXIT_CODE", "FaultTolerance"]
@@ -214,8 +215,8 @@ class FaultTolerance(Callback):
             self.preempted_at = step
             trainer.should_stop = True
             log.warning("rank %d: stopping after step %d on a preemption notice", trainer.global_rank, step)
-        if trainer.loggers:
-            pl_module.log_dict(self._metrics(), on_step=True, on_epoch=False, logger=True, prog_bar=False)
+        if logging_step(trainer):
+            log_host_metrics(trainer, self._metrics())
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

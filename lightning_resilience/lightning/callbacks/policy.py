@@ -8,13 +8,15 @@ ranks (the most severe action any rank asked for), so every rank acts the same w
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_resilience.collective import SideGroup
 from lightning_resilience.exit_codes import ExitCode
+from lightning_resilience.lightning._metrics import log_host_metrics
 from lightning_resilience.lightning._trainer_state import dump_trainer_state
 from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
 from lightning_resilience.policy import Action, Decision, Event, PolicyBus, PolicyConfig, PostedVerdict
@@ -22,6 +24,9 @@ from lightning_resilience.policy import Action, Decision, Event, PolicyBus, Poli
 __all__ = ["POLICY_STOP_EXIT_CODE", "ResiliencePolicy", "find_policy"]
 
 log = logging.getLogger(__name__)
+
+AGREEMENT_TIMEOUT = timedelta(minutes=10)
+"""Bound on the per-step agreement (a rank that never arrives is a hang: the watchdog ends the job first)."""
 
 POLICY_STOP_EXIT_CODE = int(ExitCode.POLICY_STOP)
 """Exit code after a 'checkpoint_and_stop' decision whose verdicts name no code of their own."""
@@ -69,11 +74,12 @@ class ResiliencePolicy(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # the per-step agreement runs on host values on a side gloo group (every rank runs setup): it never waits
+        # for the device nor interleaves with the training collectives
+        group = SideGroup("policy", AGREEMENT_TIMEOUT)
+
         def reduce_max(value: int) -> int:
-            if trainer.world_size == 1:
-                return value
-            t = torch.tensor([value], dtype=torch.int64, device=trainer.strategy.root_device)
-            return int(trainer.strategy.reduce(t, reduce_op="max").item())
+            return group.reduce_max(value, op="policy.decide")
 
         self.bus = PolicyBus(self.config, reduce_max)
 
@@ -96,10 +102,7 @@ class ResiliencePolicy(Callback):
             (log.warning if decision.action is Action.ALERT else log.info)(message)
         else:
             log.error(message)
-        if trainer.loggers:
-            pl_module.log(
-                "resilience/policy/action_severity", float(decision.action.severity), on_step=True, logger=True
-            )
+        log_host_metrics(trainer, {"resilience/policy/action_severity": decision.action.severity})
         if decision.action is Action.CHECKPOINT_AND_STOP:
             tiered = next((cb for cb in trainer.callbacks if isinstance(cb, TieredCheckpoint)), None)  # type: ignore[attr-defined]
             if tiered is not None and tiered.manager is not None:

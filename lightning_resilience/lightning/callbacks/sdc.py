@@ -17,6 +17,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_resilience.lightning._metrics import log_host_metrics, logging_step
 from lightning_resilience.lightning.callbacks.policy import find_policy
 from lightning_resilience.policy import Action as PolicyAction
 from lightning_resilience.policy import Event
@@ -160,20 +161,17 @@ class SDCVerification(Callback):
     ) -> None:
         assert self.monitor is not None
         events = self.monitor.events
-        if trainer.loggers and (len(events) > self._logged_events or self.monitor.stats.replay_rounds):
+        if logging_step(trainer) or len(events) > self._logged_events:
             s = self.monitor.stats
-            pl_module.log_dict(
+            log_host_metrics(
+                trainer,
                 {
-                    "resilience/sdc/detections": float(sum(s.detections.values())),
-                    "resilience/sdc/recomputed": float(s.recomputed),
-                    "resilience/sdc/replays": float(s.replays),
-                    "resilience/sdc/guard_fires": float(sum(s.guard_fired.values())),
-                    "resilience/sdc/verified_step": float(max(self.monitor.verified_steps)),
+                    "resilience/sdc/detections": sum(s.detections.values()),
+                    "resilience/sdc/recomputed": s.recomputed,
+                    "resilience/sdc/replays": s.replays,
+                    "resilience/sdc/guard_fires": sum(s.guard_fired.values()),
+                    "resilience/sdc/verified_step": max(self.monitor.verified_steps),
                 },
-                on_step=True,
-                on_epoch=False,
-                logger=True,
-                prog_bar=False,
             )
         self._logged_events = len(events)
         if self._pending_error is not None:

@@ -16,6 +16,7 @@ from lightning_resilience.checkpoint.manager import CheckpointManager, Checkpoin
 from lightning_resilience.checkpoint.rng import capture_rng_states, restore_rng_states
 from lightning_resilience.checkpoint.tier import Tier
 from lightning_resilience.checkpoint.tree import storage_ptr
+from lightning_resilience.lightning._metrics import log_host_metrics, logging_step
 from lightning_resilience.lightning._train_data import TrainDataPosition
 from lightning_resilience.lightning._trainer_state import dump_trainer_state, restore_trainer_state
 
@@ -59,6 +60,7 @@ class TieredCheckpoint(Callback):
         self._guards: list[Any] = []
         self._data = TrainDataPosition()
         self._blocking_logged = 0.0
+        self._captures_logged = 0
         self.restores = 0
 
     def __getstate__(self) -> dict[str, Any]:
@@ -125,20 +127,19 @@ class TieredCheckpoint(Callback):
             meta={"epoch": trainer.current_epoch, "batch_idx": batch_idx},
             overlap=_changed_only_by_optimizer(trainer, pl_module) if self._guards else None,
         )
-        if taken and trainer.loggers:
+        self._captures_logged += int(taken)
+        if self._captures_logged and logging_step(trainer):
             stats = self.manager.stats
-            # everything that blocked training since the last log: this capture and the wait for the previous copy
+            # everything that blocked training since the last log (captures and waits for copies), per snapshot
             blocked, self._blocking_logged = stats.capture_seconds - self._blocking_logged, stats.capture_seconds
-            pl_module.log_dict(
+            log_host_metrics(
+                trainer,
                 {
-                    "resilience/checkpoint/blocking_ms": blocked * 1e3,
-                    "resilience/checkpoint/persist_failures": float(sum(t.failures for t in stats.tiers.values())),
+                    "resilience/checkpoint/blocking_ms": blocked * 1e3 / self._captures_logged,
+                    "resilience/checkpoint/persist_failures": sum(t.failures for t in stats.tiers.values()),
                 },
-                on_step=True,
-                on_epoch=False,
-                logger=True,
-                prog_bar=False,
             )
+            self._captures_logged = 0
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -1,0 +1,181 @@
+"""Replay rounds of :class:`~lightning_resilience.sdc.monitor.SDCMonitor`: gather every rank's batch and RNG state,
+replay (self and partner), vote per batch, conclude, and recompute a corrupt gradient in place.
+
+The monitor owns the state a round reads (config, parameters, the replayer, the fingerprint hook, the guard reports
+that triggered the round) and the decisions it records (``_record``, ``_fail``, ``_diverged``, the gathers on the
+side group).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_resilience.sdc.fingerprint import group_rows
+from lightning_resilience.sdc.localize import Ballot, Opinion, next_device, vote
+from lightning_resilience.sdc.replay import map_tensors, rng_as
+from lightning_resilience.sdc.verdict import SDCEvent, Verdict
+
+if TYPE_CHECKING:
+    from lightning_resilience.sdc.monitor import SDCMonitor, StepOutcome
+
+__all__ = ["ReplayRound"]
+
+
+class ReplayRound:
+    """One replay round of a monitor's current step (a new one per round).
+
+    Args:
+        monitor: the monitor whose step is replayed; the round reads its state and records through it.
+    """
+
+    def __init__(self, monitor: SDCMonitor) -> None:
+        self.m = monitor
+
+    def _originals(self) -> tuple[torch.Tensor | None, list[list[int]]]:
+        assert self.m._replayer is not None
+        groups = [[i] for i in range(len(self.m.params))]
+        if self.m._hook is not None and self.m._hook.digests:
+            return self.m._hook.collected(), groups
+        if self.m.world_size > 1:  # the gradients on the parameters are averaged already: nothing local to compare
+            return None, groups
+        return self.m._replayer.local_digests(), groups
+
+    def run(self, out: StepOutcome, guard_fired: bool) -> None:
+        """Replay the step (and with partner replay a neighbour's), vote per batch, record and act."""
+        assert self.m._replayer is not None and self.m._rng is not None
+        cfg, world, rank = self.m.config, self.m.world_size, self.m.rank
+        self.m.stats.replay_rounds += 1
+        self.m._step_checked = True
+        original, groups = self._originals()
+        partner = world > 1 and cfg.partner_replay
+        inputs: list[Any] = [None] * world
+        if partner:  # the batches travel on the host (one read of this rank's batch, on a replay step only)
+            inputs = self.m._gather((map_tensors(self.m._batch, lambda t: t.detach().cpu()), self.m._rng))
+        inputs[rank] = (self.m._batch, self.m._rng)
+        originals = self.m._gather(original)
+        opinions: dict[int, list[Opinion]] = {b: [] for b in range(world)}
+        raw: dict[int, list[torch.Tensor | None]] = {b: [] for b in range(world)}  # per-parameter digests
+        for b, o in enumerate(originals):
+            if o is not None:
+                opinions[b].append(Opinion(b, "original", o))
+                raw[b].append(None)
+        own_grads: list[tuple[torch.Tensor, list[torch.Tensor | None]]] = []
+        plan = {b: [b] + ([(b + 1) % world] if partner else []) for b in range(world)}
+        ballots: dict[int, Ballot] = {}
+        while plan:
+            mine: dict[int, torch.Tensor] = {}
+            for b, devices in plan.items():
+                if rank not in devices:
+                    continue
+                batch, rng = inputs[b]
+                if b != rank:
+                    batch = map_tensors(batch, self.m._to_device)
+                digests, grads = self.m._replayer.replay(batch, rng)
+                self.m.stats.replays += 1
+                mine[b] = digests
+                if b == rank:
+                    own_grads.append((group_rows(self.m.digest, digests, groups), grads))
+            for device, results in enumerate(self.m._gather(mine)):
+                for b, digests in results.items():
+                    raw[b].append(digests)
+                    opinions[b].append(Opinion(device, "replay", group_rows(self.m.digest, digests, groups)))
+            plan = {}
+            for b in range(world):
+                ballots[b] = vote(opinions[b], self.m.digest.equal)
+                if ballots[b].decided or len(opinions[b]) >= cfg.max_opinions:
+                    continue
+                plan[b] = [next_device(b, opinions[b], world, others=partner)]
+        self._conclude_replay(out, guard_fired, opinions, ballots, raw, own_grads)
+
+    def _conclude_replay(
+        self,
+        out: StepOutcome,
+        guard_fired: bool,
+        opinions: dict[int, list[Opinion]],
+        ballots: dict[int, Ballot],
+        raw: dict[int, list[torch.Tensor | None]],
+        own_grads: list[tuple[torch.Tensor, list[torch.Tensor | None]]],
+    ) -> None:
+        if self.m.world_size > 1 and any(b.verdict is not Verdict.CLEAN for b in ballots.values()):
+            # a replay on another rank proves something only if the replicas are identical: check that first
+            ballot, differing = self.m.reconciler.reconcile(self.m._gather_tensor)
+            self.m.stats.reconcile_rounds += 1
+            if ballot.dissent or not ballot.decided:
+                self.m._diverged(out, ballot, differing)
+                return
+        fired = [f"{f}@{r.step + 1}" for r in self.m._fired for f in r.fired] if guard_fired else []
+        mechanism = "replay" + (f" (guard: {','.join(fired)})" if fired else "")
+        corrupt_original: list[int] = []
+        unfixable: list[int] = []
+        for b, ballot in ballots.items():
+            ops = opinions[b]
+            original_bad = ballot.decided and any(ops[i].kind == "original" for i in ballot.dissent)
+            if ballot.verdict is Verdict.CLEAN:
+                continue
+            if original_bad and b in ballot.transient:
+                corrupt_original.append(b)
+                action, detail = "recomputed", f"rank {b}'s gradients differ from its replay and the vote"
+            elif not original_bad and ballot.decided:
+                action = "none"
+                detail = f"a replay of rank {b}'s batch was wrong; the step itself was right"
+            else:
+                unfixable.append(b)
+                action = "rollback"
+                detail = f"rank {b}'s batch: " + ("no majority among the replays" if not ballot.decided else
+                                                  "a device reproduces a wrong result")  # fmt: skip
+            self.m._record(out, SDCEvent(out.step, mechanism, ballot.verdict, ballot.suspects, action, detail))
+        if guard_fired and not out.events:
+            if self.m.reader.lag > 0:
+                detail = "a guard fired at an earlier step; the replay of this step reproduced it: no faulty device"
+            else:
+                detail = "the replay reproduced the step: not a hardware fault"
+            self.m._record(out, SDCEvent(out.step, mechanism, Verdict.ANOMALY, [], "none", detail))
+        if unfixable:
+            self.m._fail(out, sorted({s for b in unfixable for s in ballots[b].suspects}))
+            return
+        if corrupt_original and not self._recompute(out, opinions, ballots, raw, own_grads):
+            self.m._fail(out, corrupt_original)
+            return
+        if not corrupt_original:  # the values were genuine: the baselines follow them
+            for report in self.m._fired:
+                self.m.guards.accept(dataclasses.replace(report, param_norm=None) if self.m.reader.lag == 0 else report)
+            if self.m._guard_report is not None and not self.m._fired:
+                self.m.guards.accept(dataclasses.replace(self.m._guard_report, param_norm=None))
+
+    def _recompute(
+        self,
+        out: StepOutcome,
+        opinions: dict[int, list[Opinion]],
+        ballots: dict[int, Ballot],
+        raw: dict[int, list[torch.Tensor | None]],
+        own_grads: list[tuple[torch.Tensor, list[torch.Tensor | None]]],
+    ) -> bool:
+        """Replace the corrupt gradients by correct ones; True if the result agrees with the vote everywhere."""
+        assert self.m._replayer is not None and self.m._rng is not None
+        if self.m._hook is None:  # one rank: install the replay gradients the vote agreed with
+            majority = opinions[self.m.rank][ballots[self.m.rank].majority[0]].digest
+            for digests, grads in own_grads:
+                if self.m.digest.equal(digests, majority):
+                    for p, g in zip(self.m.params, grads):
+                        p.grad = g
+                    self.m.stats.recomputed += 1
+                    return True
+            return False
+        # DDP: every rank recomputes with synchronisation, so the all-reduce averages correct contributions
+        assert self.m._synced_loss_fn is not None
+        for p in self.m.params:
+            p.grad = None
+        self.m._hook.reset()
+        with rng_as(self.m._rng), torch.enable_grad():
+            self.m._synced_loss_fn(self.m._batch).backward()
+        new, groups = self.m._hook.collected(), [[i] for i in range(len(self.m.params))]
+        ok = True
+        for b, digest in enumerate(self.m._gather(new)):
+            agreed = [d for d in (raw[b][i] for i in ballots[b].majority) if d is not None]
+            ok = ok and bool(agreed) and self.m.digest.equal(group_rows(self.m.digest, agreed[0], groups), digest)
+        if ok:
+            self.m.stats.recomputed += 1
+        return ok
