@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_PATHS := lightning_resilience recipes tests $(wildcard benchmarks)
 
-.PHONY: venv nemo-venv demo launch-drills test lint typecheck unit bench clean drills-data
+.PHONY: venv nemo-venv demo launch-drills test lint typecheck unit bench gpu-check clean drills-data
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,8 +57,15 @@ unit: $(STAMP)
 
 test: lint typecheck nemo-venv unit
 
+# every benchmark (about an hour on 2 quiet cores), then docs/benchmarks.md and the README figures from the results
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
+
+# on a machine with a CUDA device (install a CUDA torch: make venv TORCH_SPEC="torch==2.13.0 --index-url ..."):
+# sync-debug tests, the 1B-parameter bf16 step-time slowdown, pinned-memory overlap, NCCL drills with 2 GPUs
+gpu-check: $(STAMP)
+	$(BIN)/python -m benchmarks.gpu_check
+	$(BIN)/python -m benchmarks.run_all --docs-only
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import itertools
 import json
 import math
 import os
@@ -25,11 +26,14 @@ __all__ = [
     "machine_info",
     "md_table",
     "now_iso",
+    "percentile",
     "print_flush",
     "ratio",
     "summarize",
     "target",
     "write_json",
+    "GPTWorkload",
+    "StepClock",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -97,17 +101,18 @@ def machine_info() -> dict[str, Any]:
 
 
 def summarize(samples: Iterable[float]) -> dict[str, Any]:
-    """Median, mean, p90, min, max and the raw samples (seconds)."""
+    """Median, mean, p90, p99, min, max and the raw samples (seconds)."""
     xs = [float(x) for x in samples]
     if not xs:
-        return {"n": 0, "median_s": None, "mean_s": None, "p90_s": None, "min_s": None, "max_s": None, "samples_s": []}
+        return {"n": 0, "median_s": None, "mean_s": None, "p90_s": None, "p99_s": None, "min_s": None,
+                "max_s": None, "samples_s": []}  # fmt: skip
     ordered = sorted(xs)
-    p90 = ordered[min(len(ordered) - 1, max(0, math.ceil(0.9 * len(ordered)) - 1))]
     return {
         "n": len(xs),
         "median_s": statistics.median(xs),
         "mean_s": statistics.fmean(xs),
-        "p90_s": p90,
+        "p90_s": percentile(ordered, 90),
+        "p99_s": percentile(ordered, 99),
         "min_s": ordered[0],
         "max_s": ordered[-1],
         "samples_s": xs,
@@ -208,6 +213,8 @@ class GPTWorkload:
         seed: seeds the weights and the batches.
         optimizer: ``"adamw"`` (the model's own AdamW + LR schedule) or ``"sgd"`` (plain SGD, no momentum).
         trainable: which parameters train (by name); the others are frozen. None trains all.
+        device: where the model, its optimizer state and the batches live (built there directly).
+        dtype: parameter dtype (e.g. ``torch.bfloat16`` on a GPU); None keeps float32.
     """
 
     def __init__(
@@ -218,13 +225,18 @@ class GPTWorkload:
         *,
         optimizer: str = "adamw",
         trainable: Callable[[str], bool] | None = None,
+        device: str = "cpu",
+        dtype: Any = None,
     ) -> None:
         import torch
 
         from recipes._gpt import TinyGPT
 
         torch.manual_seed(seed)
-        self.model = TinyGPT(**model_kwargs)
+        with torch.device(device):
+            self.model = TinyGPT(**model_kwargs)
+        if dtype is not None:
+            self.model.to(dtype=dtype)
         self.model.train()
         if trainable is not None:
             for name, param in self.model.named_parameters():
@@ -240,10 +252,11 @@ class GPTWorkload:
             raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
         gen = torch.Generator().manual_seed(seed)
         vocab, seq = model_kwargs["vocab_size"], model_kwargs["seq_len"]
-        self.batches = [torch.randint(vocab, (batch_size, seq + 1), generator=gen) for _ in range(8)]
+        self.batches = [torch.randint(vocab, (batch_size, seq + 1), generator=gen).to(device) for _ in range(8)]
         self._i = 0
 
-    def step(self) -> float:
+    def step(self) -> Any:
+        """One optimizer step; returns the detached loss tensor (not read: on a GPU reading it would synchronize)."""
         batch = self.batches[self._i % len(self.batches)]
         self._i += 1
         loss = self.model.compute_loss(batch)
@@ -252,7 +265,7 @@ class GPTWorkload:
         self.opt.zero_grad(set_to_none=True)
         if self.sched is not None:
             self.sched.step()
-        return float(loss.detach())
+        return loss.detach()
 
     def state(self) -> dict[str, Any]:
         """Model, optimizer and (if any) LR scheduler state dicts: references, not copies."""
@@ -273,3 +286,42 @@ class GPTWorkload:
         """Trainable and total parameters."""
         params = list(self.model.parameters())
         return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def percentile(samples: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (nearest rank) of ``samples``; None when empty."""
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+class StepClock:
+    """Per-step times of a training loop: host wall time on the CPU; on a GPU, CUDA events on the training stream
+    (read after the block, so timing never synchronizes a step), which also count the time the device sat idle
+    while the host was blocked."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.cuda = device.startswith("cuda")
+        self._marks: list[Any] = []
+
+    def mark(self) -> None:
+        """A step boundary (call before the first step of a block and after every step)."""
+        if self.cuda:
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            import time
+
+            self._marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        """Seconds between consecutive marks since the last call (waits for the device once, at the end)."""
+        marks, self._marks = self._marks, []
+        if self.cuda and marks:
+            marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(marks)]
+        return [b - a for a, b in itertools.pairwise(marks)]

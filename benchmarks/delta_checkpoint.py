@@ -476,5 +476,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def readme_summary(result: dict[str, Any]) -> str:
+    ratios = {run["name"]: run["summary"]["ratio_full_over_delta"] for run in result["runs"]}
+    return (
+        "**delta checkpoints** (lossless XOR+zstd against full saves of the same state): "
+        + ", ".join(f"{name} {value:.2f}x smaller" for name, value in ratios.items())
+        + " (dense AdamW changes every weight each step, so a lossless delta saves little)."
+    )
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -274,5 +274,15 @@ def render_markdown(result: dict[str, Any]) -> str:
     )
 
 
+def readme_summary(result: dict[str, Any]) -> str:
+    r = result["ratios"]
+    return (
+        f"**peer replication**: a lost node's rank gets its newest step back from its peer's RAM "
+        f"({result['shard_bytes'] / 1e6:.0f} MB at {result['peer_link_mb_per_s']:.0f} MB/s over loopback gloo), "
+        f"{r['peer_ram_over_local_warm']:.1f}x the time of a warm local-disk restore, where without it the job "
+        "would go back to the remote tier."
+    )
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -557,5 +557,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def readme_summary(result: dict[str, Any]) -> str:
+    r = result["ratios"]
+    return (
+        f"**remote tier** (S3 API, local server): uploads at {r['upload_ours_over_raw'] * 100:.0f}% of the raw "
+        f"link's throughput; a restore from S3 takes {r['restore_remote_over_raw_get']:.2f}x a raw GET of the same "
+        f"bytes and {r['restore_remote_over_local']:.1f}x a local-disk restore."
+    )
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

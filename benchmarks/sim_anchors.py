@@ -403,5 +403,16 @@ def render_markdown(result: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def readme_summary(result: dict[str, Any]) -> str:
+    passed = sum(t["verdict"] == "PASS" for t in result["targets"])
+    missed = [t["name"] for t in result["targets"] if t["verdict"] != "PASS"]
+    return (
+        f"**simulator anchors** (Kokolis, ByteRobust, TrainMover, Daly): {passed} of {len(result['targets'])} "
+        "published figures reproduced"
+        + (f" (missed: {'; '.join(missed)})" if missed else "")
+        + f"; a 90-day 10,000-GPU job simulates in {result['speed']['seconds_median']:.2f} s."
+    )
+
+
 if __name__ == "__main__":
     sys.exit(main())

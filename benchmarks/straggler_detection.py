@@ -63,6 +63,15 @@ from lightning_resilience.straggler.config import StragglerConfig
 MODULE = "benchmarks.straggler_detection"
 DEFAULT_OUT = "benchmarks/results/straggler_detection.json"
 TITLE = "Straggler detection: latency, precision, recall, false verdicts, overhead (real DDP ranks)"
+README_PENDING = (
+    "**straggler detection**, measured on real ranks (torchrun, 2 DDP CPU ranks, the default config, a rank slowed "
+    "1.2x or 1.5x in its compute or its data loader): latency, recall, precision, false verdicts and overhead in "
+    "[docs/benchmarks.md](docs/benchmarks.md) once `python -m benchmarks.straggler_detection` has run on a quiet "
+    "machine; its synthetic cross-check (simulated ranks with a modelled all-reduce wait) is printed apart and is not "
+    "a measurement. The real-DDP drill in CI names a 1.5x compute-slow, data-slow and FSDP2 rank, and a job-wide "
+    "slowdown, within 10 steps."
+)
+"""The README's line while no result is recorded (run_all writes it)."""
 
 REAL_FACTORS = (1.2, 1.5)
 KINDS = ("compute", "data")

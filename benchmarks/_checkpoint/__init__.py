@@ -1,0 +1,1 @@
+"""Pieces of the checkpoint benchmark (``python -m benchmarks.checkpoint``): contenders, scenarios, rendering."""

@@ -1,0 +1,263 @@
+"""The checkpoint benchmark's scenarios: the interleaved step-time rotation, the Lightning runs, and restore.
+
+Every figure is a ratio against a baseline measured in the same run: contenders take turns on one model, and the
+Lightning passes alternate their order, so all see the same (shared, drifting) machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks._checkpoint.contenders import DISK_EVERY, Contender, DcpBest, Ours
+from benchmarks._common import GPTWorkload, StepClock, evict_page_cache, print_flush, summarize
+
+__all__ = ["run_lightning", "run_restore", "run_rotation", "slowdown"]
+
+pc = time.perf_counter
+
+
+def run_rotation(
+    wl: GPTWorkload, contenders: list[Contender], *, warmup: int, turn: int, rounds: int, device: str = "cpu"
+) -> dict[str, dict[str, list[float]]]:
+    """Each contender trains ``turn`` consecutive steps in turn, ``rounds`` times (order reversed every other round).
+
+    Per step: the time from its start to the next step's start (so a wait inside the next step, or the drain at the
+    end of a turn, lands on a step of the contender that caused it), and what the contender blocked the training
+    thread. Step numbers per contender start at a multiple of :data:`DISK_EVERY`, so each turn of ``DISK_EVERY``
+    steps holds one disk save at its start.
+    """
+    clock = StepClock(device)
+    rec = {c.name: {"step_s": [], "blocking_s": [], "turn_s": []} for c in contenders}
+    steps = dict.fromkeys(rec, DISK_EVERY * 1000)
+
+    def one_turn(c: Contender, n: int, record: bool) -> None:
+        c.begin()
+        c.take_blocking()
+        blocked: list[float] = []
+        clock.mark()
+        start = pc()
+        for _ in range(n):
+            wl.step()
+            c.after_step(steps[c.name])
+            steps[c.name] += 1
+            blocked.append(c.take_blocking())
+            clock.mark()
+        c.end_turn()  # the drain: billed to the turn's last step
+        clock.mark()
+        blocked[-1] += c.take_blocking()
+        times = clock.intervals()
+        times[-2] += times.pop()
+        if record:
+            r = rec[c.name]
+            r["step_s"] += times
+            r["blocking_s"] += blocked
+            r["turn_s"].append(pc() - start)
+        gc.collect()
+
+    for c in contenders:
+        one_turn(c, warmup, record=False)
+    for i in range(rounds):
+        for c in contenders if i % 2 == 0 else contenders[::-1]:
+            one_turn(c, turn, record=True)
+    return rec
+
+
+def slowdown(rec: dict[str, dict[str, list[float]]], name: str, base: str = "none") -> dict[str, Any]:
+    """Step-time slowdown of ``name`` against ``base``: of the means, medians and p99s, and per round (the spread
+    the machine's drift leaves)."""
+    mine, ref = summarize(rec[name]["step_s"]), summarize(rec[base]["step_s"])
+    turns = [a / b - 1.0 for a, b in zip(rec[name]["turn_s"], rec[base]["turn_s"])]
+
+    def rel(key: str) -> float | None:
+        return mine[key] / ref[key] - 1.0 if mine[key] and ref[key] else None
+
+    return {"mean": rel("mean_s"), "median": rel("median_s"), "p99": rel("p99_s"), "per_turn": turns}
+
+
+# --------------------------------------------------------------------------------------------- Lightning runs
+_STEP_RE = re.compile(r"step=(\d+)")
+
+
+def run_lightning(
+    kind: str, model_kwargs: dict[str, Any], batch_size: int, root: Path, steps: int, warmup: int, threads: int
+) -> dict[str, Any]:
+    """One Trainer run. ``tiered``: ``TieredCheckpoint`` with the default preset's tiers; ``modelcheckpoint_async``:
+    ``ModelCheckpoint(every_n_train_steps=1)`` + ``AsyncCheckpointIO``; ``none``: no checkpointing. The mean step
+    time runs from the first measured step to the end of ``fit`` (the drain of background saves after the last step
+    included); per-step intervals (batch start to batch start) give the median and p99."""
+    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    from lightning_resilience.checkpoint import LocalTier, MemoryTier
+    from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
+    from recipes._data import SyntheticTokenDataModule
+    from recipes._gpt import TinyGPT
+
+    ckpt_dir = root / "ckpt"
+    callbacks: list[Any] = []
+    plugins: list[Any] = []
+    if kind == "tiered":
+        tiers = [MemoryTier(every_n_steps=1, keep=2), LocalTier(ckpt_dir, every_n_steps=DISK_EVERY, keep=3)]
+        callbacks.append(TieredCheckpoint(tiers=tiers, resume="never"))
+    elif kind == "modelcheckpoint_async":
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1))
+        plugins.append(AsyncCheckpointIO())
+    elif kind != "none":
+        raise ValueError(kind)
+
+    class StepTimer(Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+            self.cleanup: list[float] = []
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            torch.set_num_threads(threads)
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            t0 = pc()
+            # keep the disk bounded (save_top_k=-1 keeps all): drop all but the two newest files, untimed
+            if kind == "modelcheckpoint_async" and ckpt_dir.is_dir():
+                files = sorted(
+                    ckpt_dir.glob("*.ckpt"), key=lambda p: int(m[1]) if (m := _STEP_RE.search(p.name)) else -1
+                )
+                for old in files[:-2]:
+                    with contextlib.suppress(FileNotFoundError):
+                        old.unlink()
+            now = pc()
+            self.cleanup.append(now - t0)
+            self.starts.append(now)
+
+    timer = StepTimer()
+    torch.manual_seed(0)
+    model = TinyGPT(**model_kwargs)
+    total = warmup + steps
+    data = SyntheticTokenDataModule(
+        batch_size=batch_size,
+        num_samples=batch_size * (total + 2),
+        seq_len=model_kwargs["seq_len"],
+        vocab_size=model_kwargs["vocab_size"],
+        seed=1,
+    )
+    trainer = Trainer(
+        max_steps=total,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=kind == "modelcheckpoint_async",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=root,
+        callbacks=[timer, *callbacks],
+        plugins=plugins or None,
+    )
+    trainer.fit(model, datamodule=data)  # returns after AsyncCheckpointIO's teardown drained its queue
+    end = pc()
+    starts = timer.starts[warmup:]
+    intervals = [b - a - c for a, b, c in zip(starts, starts[1:], timer.cleanup[warmup + 1 :])]
+    mean_with_drain = (end - starts[0] - sum(timer.cleanup[warmup + 1 :])) / len(starts)
+    return {
+        "kind": kind,
+        "step_interval": summarize(intervals),
+        "mean_step_with_drain_s": mean_with_drain,
+        "after_last_step_s": end - starts[-1],
+    }
+
+
+# --------------------------------------------------------------------------------------------------- restore
+def run_restore(wl: GPTWorkload, ours: Ours, root: Path, dcp: DcpBest | None, reps: int) -> dict[str, Any]:
+    """Restore the state and apply it to the live model and optimizer (``load_state_dict``): the time a user waits.
+
+    * ours, RAM tier: ``CheckpointManager.restore`` hands the snapshot buffers over (a fresh untimed snapshot is
+      taken before each repetition);
+    * ours, local disk tier: a fresh manager with only that tier, page cache warm and evicted;
+    * DCP: ``dcp.load`` into the live state dict (in place) of the newest save in RAM (tmpfs) and on disk.
+    """
+    from lightning_resilience.checkpoint import CheckpointManager, LocalTier
+
+    def apply(state: dict[str, Any]) -> float:
+        t0 = pc()
+        wl.model.load_state_dict(state["model"])
+        wl.opt.load_state_dict(state["optim"])
+        return pc() - t0
+
+    def ours_disk(cold: bool) -> tuple[float, float]:
+        fresh = CheckpointManager([LocalTier(root, every_n_steps=DISK_EVERY)])
+        fresh.setup()
+        if cold:
+            evict_page_cache(root)
+        t0 = pc()
+        res = fresh.restore()
+        dt = pc() - t0
+        fresh.close()
+        if res is None or res.tier != "local":
+            raise RuntimeError(f"expected a restore from the local tier, got {res and res.tier}")
+        return dt, apply(res.state)
+
+    def ours_ram(step: int) -> tuple[float, float]:
+        ours.mgr.on_step(step, wl.state)
+        ours.mgr.wait_snapshot()
+        ours.mgr.wait()
+        gc.collect()
+        t0 = pc()
+        res = ours.mgr.restore()
+        dt = pc() - t0
+        if res is None or res.tier != "memory" or res.step != step:
+            raise RuntimeError(f"expected step {step} from the memory tier, got {res and (res.step, res.tier)}")
+        return dt, apply(res.state)
+
+    def dcp_load(path: Path, cold: bool) -> tuple[float, float]:
+        assert dcp is not None
+        if cold:
+            evict_page_cache(path)
+        state = wl.state()
+        t0 = pc()
+        dcp.dcp.load(state, checkpoint_id=path)
+        dt = pc() - t0
+        return dt, apply(state)
+
+    cases: dict[str, Any] = {"ours_ram": lambda i: ours_ram(10**7 + 2 * i + 1)}
+    cases["ours_disk_warm"] = lambda i: ours_disk(cold=False)
+    cases["ours_disk_cold"] = lambda i: ours_disk(cold=True)
+    if dcp is not None:
+        for where in ("ram", "disk"):
+            path = dcp.newest(where)
+            if path is not None:
+                cases[f"dcp_{where}" if where == "ram" else "dcp_disk_warm"] = lambda i, p=path: dcp_load(p, False)
+                if where == "disk":
+                    cases["dcp_disk_cold"] = lambda i, p=path: dcp_load(p, True)
+    ours_disk(cold=False)  # the first read after the writes: not a figure
+    raw: dict[str, dict[str, list[float]]] = {k: {"restore": [], "apply": []} for k in cases}
+    for i in range(reps):
+        for name, case in cases.items():
+            gc.collect()
+            read, applied = case(i)
+            raw[name]["restore"].append(read)
+            raw[name]["apply"].append(applied)
+    out: dict[str, Any] = {}
+    for name, r in raw.items():
+        out[name] = {
+            "restore": summarize(r["restore"]),
+            "apply": summarize(r["apply"]),
+            "total": summarize(a + b for a, b in zip(r["restore"], r["apply"])),
+        }
+    print_flush(
+        "[checkpoint] restore: " + ", ".join(f"{k} {v['total']['median_s'] * 1e3:.0f} ms" for k, v in out.items())
+    )
+    return out
+
+
+def clean(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.sync()
