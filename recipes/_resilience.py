@@ -53,25 +53,44 @@ def resilience_callbacks(cfg: DictConfig, resume: str | int | None = None) -> li
 class FaultDrill(Callback):
     """Injects the drill's fault at a chosen (rank, step, attempt) so a user can rehearse recovery."""
 
-    def __init__(self, kind: str, rank: int = 0, step: int = 35, attempt: int = 0, factor: float = 2.0) -> None:
+    def __init__(
+        self, kind: str, rank: int = 0, step: int = 35, attempt: int = 0, factor: float = 2.0, where: str = "compute"
+    ) -> None:
         if kind not in DRILLS:
             raise ValueError(f"drill.kind must be one of {DRILLS}, got {kind!r}")
         if factor <= 1.0:
             raise ValueError(f"drill.factor must be > 1, got {factor}")
+        if where not in ("compute", "data"):
+            raise ValueError(f"drill.where must be 'compute' or 'data', got {where!r}")
         self.kind, self.rank, self.step, self.attempt, self.factor = kind, rank, step, attempt, factor
+        self.where = where
         self._t0 = 0.0
+        self._last_step_s = 0.0
 
     def _armed(self, trainer: Trainer) -> bool:
         return trainer.global_rank == self.rank and attempt_number() == self.attempt
 
+    def _slowed(self, trainer: Trainer, where: str) -> bool:
+        return (
+            self.kind == "slow_rank"
+            and self.where == where
+            and self._armed(trainer)
+            and trainer.global_step > self.step
+        )
+
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._slowed(trainer, "data"):
+            # a slow data path: the batch arrives late (this callback runs before the detectors: the wait falls
+            # between their steps, where the wait for data is timed)
+            threading.Event().wait((self.factor - 1.0) * self._last_step_s)
         self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if self.kind == "slow_rank" and self._armed(trainer) and trainer.global_step > self.step:
+        self._last_step_s = time.perf_counter() - self._t0
+        if self._slowed(trainer, "compute"):
             # a fail-slow device: this rank's steps take `factor` times as long from `step` on (this callback runs
             # before the detectors, so the wait is inside the step they time)
-            threading.Event().wait((self.factor - 1.0) * (time.perf_counter() - self._t0))
+            threading.Event().wait((self.factor - 1.0) * self._last_step_s)
             return
         if self.kind in ("none", "slow_rank", "bit_flip") or trainer.global_step != self.step:
             return
@@ -107,7 +126,7 @@ def drill_callbacks(drill: DictConfig) -> list[Callback]:
             seed=int(drill.seed),
         )
         return [_ReportFlips([spec])]
-    keys = ("rank", "step", "attempt", "factor")
+    keys = ("rank", "step", "attempt", "factor", "where")
     return [FaultDrill(kind, **{k: drill[k] for k in keys if k in drill})]
 
 

@@ -128,3 +128,13 @@ def test_bit_flip_drill_is_caught_and_recomputed(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "resilience_report.json").read_text())
     sdc = report["sections"]["sdc_verification"]
     assert sdc["recomputed"] == 1 and sdc["detections"] == {"transient": 1} and not sdc["stopped"]
+
+
+def test_slow_data_drill_is_named_in_data(tmp_path: Path) -> None:
+    """``drill.where=data``: the batch arrives late on the rank; the detector names the wait for data."""
+    overrides = ["drill=slow_rank", "drill.where=data", "drill.step=28", "drill.factor=3", "trainer.max_steps=44"]
+    proc = _run([*RECIPE, f"run_dir={tmp_path}", *overrides, "resilience.straggler.config.window=8"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0 (node 0" in proc.stdout and "slower in the wait for its next batch" in proc.stdout, proc.stdout[
+        -3000:
+    ]
