@@ -231,7 +231,7 @@ class StragglerDetector:
         times: dict[str, float] = {}
         for name in self._payload_sections:  # always the same keys (NaN: not timed), so the exchange is fixed-size
             values = [r[name] for r in self._buffer if name in r]
-            times[name] = statistics.median(values) if values else math.nan
+            times[name] = values[0] if len(values) == 1 else statistics.median(values) if values else math.nan
         self._buffer = []
         if self._kernels is not None:
             times[KERNELS] = self._kernels.slowdown()
