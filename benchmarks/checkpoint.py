@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.checkpoint                  # small GPT (~23M params, ~280 MB of state), ~15 minutes
+    python -m benchmarks.checkpoint                  # small GPT (~23M params, ~280 MB of state), ~10-15 minutes on 2 quiet cores
     python -m benchmarks.checkpoint --quick --preset tiny    # smoke mode, well under a minute
 
 One training loop, one model; the contenders take turns of ``--turn`` steps (order reversed every other round), so
@@ -98,7 +98,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=None, help="override the preset's sequence length")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="parameter dtype")
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 4; quick: 1)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 1)")
     p.add_argument("--turn", type=int, default=10, help="steps per contender turn (one disk save per 10 steps)")
     p.add_argument("--rounds", type=int, default=None, help="turns per contender (default 8; quick: 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per contender first (default 12)")
