@@ -114,7 +114,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     q = args.quick
     defaults = {
-        "batch_size": (1, 4),
+        "batch_size": (1, 1),
         "rounds": (1, 8),
         "warmup": (3, 12),
         "restore_reps": (2, 5),

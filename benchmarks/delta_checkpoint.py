@@ -185,7 +185,7 @@ def run_scenario(
     zero_last: list[float] | None = None
     losses = []
     for step in range(1, args.steps + 1):
-        losses.append(run.step())
+        losses.append(float(run.step()))
         snap = run.snapshot(step)
         start = pc()
         full_tier.write(snap)
