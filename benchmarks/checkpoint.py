@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.checkpoint                  # small GPT (~23M params, ~280 MB of state), ~10-15 minutes on 2 quiet cores
+    python -m benchmarks.checkpoint                  # small GPT (~23M params, 280 MB of state), 10-15 min
     python -m benchmarks.checkpoint --quick --preset tiny    # smoke mode, well under a minute
 
 One training loop, one model; the contenders take turns of ``--turn`` steps (order reversed every other round), so
