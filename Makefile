@@ -9,7 +9,7 @@ LINT_PATHS := lightning_resilience recipes tests $(wildcard benchmarks)
 
 .PHONY: venv nemo-venv demo launch-drills test lint typecheck unit bench gpu-check clean drills-data
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_SPEC)
@@ -22,7 +22,7 @@ venv: $(STAMP)
 # installed without its dependencies so that NeMo's pins stay as they are.
 NEMO_VENV ?= .venv-nemo
 NEMO_STAMP := $(NEMO_VENV)/.installed
-$(NEMO_STAMP): setup.cfg pyproject.toml
+$(NEMO_STAMP): setup.cfg setup.py pyproject.toml
 	$(PYTHON) -m venv $(NEMO_VENV)
 	$(NEMO_VENV)/bin/pip install -q --upgrade pip
 	$(NEMO_VENV)/bin/pip install -q $(TORCH_SPEC)

@@ -63,7 +63,7 @@ from lightning_resilience.sdc.fingerprint import BitwiseDigest, digest_all
 from lightning_resilience.sdc.guards import Guards
 from lightning_resilience.sdc.inject import BIT_CLASSES, LOCATIONS, BitFlipInjector, FlipSpec
 from lightning_resilience.sdc.monitor import SDCMonitor
-from lightning_resilience.sdc.verdict import Verdict
+from lightning_resilience.sdc.verdict import Diagnosis
 
 MODULE = "benchmarks.sdc_coverage"
 DEFAULT_OUT = "benchmarks/results/sdc_coverage.json"
@@ -190,7 +190,7 @@ def _rank(rank: int, preset: str, scale: int | None, trials: list[dict[str, Any]
                 break
         injector.remove()
         final = digest_all(BitwiseDigest(), [p.detach() for p in model.parameters()])
-        events = [e.to_json() for e in monitor.events if e.verdict is not Verdict.CLEAN]
+        events = [e.to_json() for e in monitor.events if e.verdict is not Diagnosis.CLEAN]
         return {"final": final.tolist(), "events": events}
 
     run(None)  # DDP rebuilds its buckets after the first iteration: the reference must use the final layout

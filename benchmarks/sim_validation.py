@@ -176,7 +176,6 @@ def worker(args: argparse.Namespace) -> None:
         devices=WORLD_SIZE,
         strategy=ResilientDDPStrategy(),
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,

@@ -57,7 +57,7 @@ from benchmarks._common import (
     target,
     write_json,
 )
-from lightning_resilience.straggler import WAIT, StragglerDetector, Verdict
+from lightning_resilience.straggler import WAIT, StragglerDetector, StragglerFinding
 from lightning_resilience.straggler.config import StragglerConfig
 
 MODULE = "benchmarks.straggler_detection"
@@ -317,7 +317,7 @@ def synthetic_trial(
     world: int,
     steps: int,
     slow: tuple[int, str, float, int] | None,
-) -> list[Verdict]:
+) -> list[StragglerFinding]:
     """One simulated synchronous job through real detectors; ``slow`` = (rank, kind, factor, onset)."""
     clocks = [_Clock() for _ in range(world)]
     detectors = [

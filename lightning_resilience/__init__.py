@@ -25,11 +25,8 @@ from lightning_resilience.config import (
     StragglerConfig,
     StragglerLevelConfig,
 )
-from lightning_resilience.exit_codes import ExitCode
+from lightning_resilience.exit_codes import DecidedExit, ExitCode
 from lightning_resilience.lightning import (
-    HANG_EXIT_CODE,
-    PREEMPT_EXIT_CODE,
-    STRAGGLER_EXIT_CODE,
     BitFlipInjection,
     FaultTolerance,
     ResiliencePolicy,
@@ -38,10 +35,17 @@ from lightning_resilience.lightning import (
     ResilientModelParallelStrategy,
     SDCVerification,
     StragglerDetection,
+    Suite,
     TieredCheckpoint,
 )
 from lightning_resilience.report import ResilienceReport
-from lightning_resilience.sdc import SDC_EXIT_CODE, SilentDataCorruptionError
+from lightning_resilience.sdc import SilentDataCorruptionError
+
+# the former per-module constants: the values of ExitCode, kept importable
+HANG_EXIT_CODE = int(ExitCode.HANG)
+PREEMPT_EXIT_CODE = int(ExitCode.PREEMPTED)
+SDC_EXIT_CODE = int(ExitCode.SDC)
+STRAGGLER_EXIT_CODE = int(ExitCode.STRAGGLER)
 
 __all__ = [
     "SDC_EXIT_CODE",
@@ -53,6 +57,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointManager",
     "DeltaLocalTier",
+    "DecidedExit",
     "DeltaLocalTierConfig",
     "ExitCode",
     "FaultTolerance",
@@ -78,6 +83,7 @@ __all__ = [
     "StragglerConfig",
     "StragglerDetection",
     "StragglerLevelConfig",
+    "Suite",
     "Tier",
     "TieredCheckpoint",
     "__version__",

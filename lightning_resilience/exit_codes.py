@@ -2,14 +2,14 @@
 
 A code tells the launcher what to do next: restart the group (torchrun ``--max-restarts``), requeue the job
 (Slurm ``--requeue``, a Kubernetes ``podFailurePolicy``), or stop for good. Codes stay clear of a crash (1), a
-signal (128+n) and a clean end (0).
+signal (128+n) and a clean end (0). ``docs/exit-codes.md`` gives the launcher recipes.
 """
 
 from __future__ import annotations
 
 from enum import IntEnum
 
-__all__ = ["ExitCode"]
+__all__ = ["DecidedExit", "ExitCode"]
 
 
 class ExitCode(IntEnum):
@@ -20,12 +20,29 @@ class ExitCode(IntEnum):
     STRAGGLER = 83
     """Stopped for a persistent straggler, after a checkpoint: restart without the slow node."""
     SDC = 84
-    """A device computes wrong results: restart from the newest verified step, excluding the node."""
+    """The training state is corrupt (a device computes wrong results): restart from the newest verified step,
+    excluding the node. Never 0, whatever the policy did about it during the run."""
     POLICY_STOP = 85
-    """The policy decided checkpoint-and-stop (or a rollback it could not do in process): restart."""
+    """The job was asked to stop through the suite's API (no detector's event): restart."""
     HANG = 86
     """The watchdog ended a hung rank (stack dumps written): restart the group."""
     PREEMPTED = 87
     """A preemption notice was handled and the state saved: requeue the job."""
     NO_PROGRESS = 88
     """The launcher gave up: restarts brought no newer committed step; do not requeue."""
+
+
+class DecidedExit(SystemExit):
+    """Raised at the end of ``fit`` when the suite decided to stop the job: the process ends with ``code``.
+
+    A ``SystemExit``, so an uncaught one ends the interpreter with the code and no traceback; catch it to run code
+    after ``fit`` (the recipes write their report) and raise it again.
+    """
+
+    def __init__(self, code: ExitCode, reason: str) -> None:
+        super().__init__(int(code))
+        self.exit_code = code
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"exit code {int(self.exit_code)} ({self.exit_code.name}): {self.reason}"

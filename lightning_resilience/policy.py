@@ -1,9 +1,14 @@
-"""One policy for every detector: verdicts are posted to a bus, and the action is decided once, by all ranks.
+"""The one vocabulary of the suite, and the policy that turns detectors' verdicts into one action for all ranks.
 
-Detectors (straggler, SDC, fault tolerance) post what they found; at the next step boundary every rank calls
-:meth:`PolicyBus.decide`, which reduces the most severe action any rank asked for (one small all-reduce), so every
-rank takes the same action on the same step. The mapping from event to action is the user's
-(:class:`PolicyConfig`); every decision is kept for the report.
+* :class:`Event` — what a detector can find (a corrupt step, a straggler, a preemption notice, a hang).
+* :class:`Verdict` — one detector's finding on one rank, posted to the policy.
+* :class:`Action` — what the job does, mildest first; the order is the reduction order.
+* :class:`Decision` — the action every rank takes at one step, and the exit code it leads to.
+
+Detectors post verdicts; at the next step boundary every rank calls :meth:`PolicyBus.decide`, which reduces the
+most severe (action, event) any rank asked for in one small all-reduce, so every rank takes the same action on the
+same step and ends with the same exit code. The mapping from event to action is the user's
+(:class:`PolicyConfig`); every decision is kept for the report. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -15,10 +20,21 @@ from enum import Enum
 from typing import Any
 
 from lightning_resilience._configurable import ConfigError
+from lightning_resilience.exit_codes import ExitCode
 
-__all__ = ["ACTIONS", "ALLOWED", "Action", "Decision", "Event", "PolicyBus", "PolicyConfig", "PostedVerdict"]
+__all__ = [
+    "ACTIONS",
+    "ALLOWED",
+    "Action",
+    "Decision",
+    "Event",
+    "PolicyBus",
+    "PolicyConfig",
+    "PostedVerdict",
+    "Verdict",
+]
 
-ACTIONS = ("log", "alert", "checkpoint_and_stop", "rollback", "emergency_save_and_exit", "dump_and_exit")
+ACTIONS = ("log", "alert", "exclude", "checkpoint_and_stop", "rollback", "emergency_save_and_exit", "dump_and_exit")
 """Every action, least to most severe: when several verdicts arrive together, the most severe one is taken."""
 
 ALLOWED = {
@@ -37,7 +53,8 @@ class PolicyConfig:
     sdc_mismatch: str = "rollback"
     """A confirmed silent-data-corruption mismatch caught after the optimizer step: 'rollback' (stop, and restart
     from the newest checkpoint verified clean), 'checkpoint_and_stop', 'alert' or 'log'. Caught before the
-    optimizer step it is recomputed in place whatever this says."""
+    optimizer step it is recomputed in place whatever this says. Whatever it says, a corrupt state ends the process
+    with ``ExitCode.SDC`` and the next attempt restores at most the verified step."""
     straggler: str = "checkpoint_and_stop"
     """A confirmed straggler at the top of the detector's ladder: 'checkpoint_and_stop' (the launcher restarts
     without the slow node), 'alert' or 'log'."""
@@ -46,6 +63,11 @@ class PolicyConfig:
     'log' (ignore it and let the scheduler kill the job)."""
     hang: str = "dump_and_exit"
     """A hung rank: 'dump_and_exit' (stack dumps, exit code, the launcher restarts the group) or 'log' (dump only)."""
+    exit_after_fit: bool = True
+    """When the job was stopped (or its state found corrupt), end the process with the decided exit code at the
+    end of ``fit`` (``DecidedExit``, a ``SystemExit``, raised after every callback's teardown), so a launcher sees
+    it without a line of user code. False: ``fit`` returns and the caller ends the process with
+    ``Suite.of(trainer).exit_code``."""
 
     def __post_init__(self) -> None:
         for event, allowed in ALLOWED.items():
@@ -63,10 +85,26 @@ class PolicyConfig:
 
 
 class Event(str, Enum):
+    """What a detector found."""
+
     SDC_MISMATCH = "sdc_mismatch"
     STRAGGLER = "straggler"
     PREEMPTION = "preemption"
     HANG = "hang"
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """The code a stop for this event ends the process with."""
+        return _EXIT_CODES[self]
+
+
+_EXIT_CODES = {
+    Event.SDC_MISMATCH: ExitCode.SDC,
+    Event.STRAGGLER: ExitCode.STRAGGLER,
+    Event.PREEMPTION: ExitCode.PREEMPTED,
+    Event.HANG: ExitCode.HANG,
+}
+_EVENTS = list(Event)
 
 
 class Action(str, Enum):
@@ -74,6 +112,7 @@ class Action(str, Enum):
 
     LOG = "log"
     ALERT = "alert"
+    EXCLUDE = "exclude"
     CHECKPOINT_AND_STOP = "checkpoint_and_stop"
     ROLLBACK = "rollback"
     EMERGENCY_SAVE_AND_EXIT = "emergency_save_and_exit"
@@ -83,9 +122,14 @@ class Action(str, Enum):
     def severity(self) -> int:
         return ACTIONS.index(self.value)
 
+    @property
+    def stops(self) -> bool:
+        """Whether the job stops (and the process ends with a non-zero code) after this action."""
+        return self.severity >= Action.CHECKPOINT_AND_STOP.severity
+
 
 @dataclass(frozen=True)
-class PostedVerdict:
+class Verdict:
     """One detector's finding on one rank."""
 
     event: Event
@@ -93,24 +137,46 @@ class PostedVerdict:
     rank: int
     detail: str
     source: str = ""
+    """The detector that posted it ('straggler', 'sdc', 'fault_tolerance')."""
+    verified_step: int | None = None
+    """For a corrupt state: the newest committed step verified clean; a restart restores at most this step."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "event": self.event.value,
+            "step": self.step,
+            "rank": self.rank,
+            "detail": self.detail,
+            "source": self.source,
+            "verified_step": self.verified_step,
+        }
+
+
+PostedVerdict = Verdict
+"""Former name of :class:`Verdict`."""
 
 
 @dataclass
 class Decision:
-    """The action every rank takes at ``step``, and the verdicts (this rank's) that led to it."""
+    """The action every rank takes at ``step`` for ``event``, and the verdicts (this rank's) that led to it."""
 
     step: int
     action: Action
-    verdicts: list[PostedVerdict] = field(default_factory=list)
+    event: Event
+    verdicts: list[Verdict] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """The process's exit code after this decision: the event's code when the job stops, else OK."""
+        return self.event.exit_code if self.action.stops else ExitCode.OK
 
     def to_json(self) -> dict[str, Any]:
         return {
             "step": self.step,
             "action": self.action.value,
-            "verdicts": [
-                {"event": v.event.value, "step": v.step, "rank": v.rank, "detail": v.detail, "source": v.source}
-                for v in self.verdicts
-            ],
+            "event": self.event.value,
+            "exit_code": int(self.exit_code),
+            "verdicts": [v.to_json() for v in self.verdicts],
         }
 
 
@@ -126,31 +192,38 @@ class PolicyBus:
     def __init__(self, config: PolicyConfig | None = None, reduce_max: Callable[[int], int] | None = None) -> None:
         self.config = config or PolicyConfig()
         self._reduce_max = reduce_max or (lambda value: value)
-        self._pending: list[PostedVerdict] = []
+        self._pending: list[tuple[Verdict, int]] = []  # verdict, the severity it asks for
         self._lock = threading.Lock()  # detectors may post from their own threads (the watchdog)
         self.decisions: list[Decision] = []
 
     def action_for(self, event: Event) -> Action:
         return Action(self.config.action_for(event.value))
 
-    def post(self, verdict: PostedVerdict) -> None:
+    def post(self, verdict: Verdict, *, at_least: Action | None = None) -> Action:
+        """Record a verdict; returns the action it leads to (taken at the next :meth:`decide`): the mapping's
+        action for its event, raised to ``at_least`` when that is more severe."""
+        action = self.action_for(verdict.event)
+        if at_least is not None and at_least.severity > action.severity:
+            action = at_least
         with self._lock:
-            self._pending.append(verdict)
+            self._pending.append((verdict, action.severity))
+        return action
 
     def decide(self, step: int) -> Decision | None:
-        """Collective: the most severe action asked for on any rank since the last call (None: nothing to do)."""
+        """Collective: the most severe action asked for on any rank since the last call (None: nothing to do).
+
+        Ties between events of the same severity go to the later event in :class:`Event`, on every rank alike.
+        """
         with self._lock:
             pending, self._pending = self._pending, []
-        local = max((self.action_for(v.event).severity for v in pending), default=-1)
+        local = max((severity * len(_EVENTS) + _EVENTS.index(v.event) for v, severity in pending), default=-1)
         agreed = self._reduce_max(local)
         if agreed < 0:
             return None
-        decision = Decision(step, Action(ACTIONS[agreed]), pending)
+        severity, event_index = divmod(agreed, len(_EVENTS))
+        decision = Decision(step, Action(ACTIONS[severity]), _EVENTS[event_index], [v for v, _ in pending])
         self.decisions.append(decision)
         return decision
 
     def report(self) -> dict[str, Any]:
-        return {
-            "mapping": dict(self.config.mapping()),
-            "decisions": [d.to_json() for d in self.decisions],
-        }
+        return {"mapping": dict(self.config.mapping()), "decisions": [d.to_json() for d in self.decisions]}

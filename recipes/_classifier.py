@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from recipes._gpt import TinyGPT
+from ._gpt import TinyGPT
 
 __all__ = ["GPTClassifier"]
 

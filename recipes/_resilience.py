@@ -1,9 +1,6 @@
-"""What every recipe shares: the resilience callbacks built from ``cfg.resilience``, fault drills, and the exit code.
-
-A recipe composes ``resilience: {checkpoint, straggler, sdc, ft}`` from the config groups under
-``configs/resilience/`` and a ``drill`` from ``configs/drill/``; :func:`resilience_callbacks` builds the callbacks
-(a bad value fails here with its full key), :class:`FaultDrill` injects the drill's fault, and :func:`exit_code`
-turns what the callbacks decided into the process's exit status, so that a launcher restarts the job when it should.
+"""Fault drills of the recipes: a ``drill`` from ``configs/drill/`` injects one fault at a chosen (rank, step,
+attempt) so a user can rehearse recovery. The resilience callbacks themselves come from the suite's one builder,
+:func:`lightning_resilience.lightning.suite.build_suite`.
 """
 
 from __future__ import annotations
@@ -17,11 +14,9 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from omegaconf import DictConfig
 
-from lightning_resilience.config.registry import build_all
 from lightning_resilience.ft.restart import current_attempt
-from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
 
-__all__ = ["DRILLS", "FaultDrill", "attempt_number", "drill_callbacks", "exit_code", "resilience_callbacks"]
+__all__ = ["DRILLS", "FaultDrill", "attempt_number", "drill_callbacks"]
 
 DRILLS = ("none", "kill_rank", "crash", "hang", "preempt", "slow_rank", "bit_flip")
 HANG_LIMIT_S = 3600.0  # a drilled hang ends by itself after this long if nothing detects it
@@ -30,24 +25,6 @@ HANG_LIMIT_S = 3600.0  # a drilled hang ends by itself after this long if nothin
 def attempt_number() -> int:
     """This attempt's index: torchrun's restart count, or the attempt of ``lightning-resilience launch``."""
     return current_attempt().restart_count
-
-
-def resilience_callbacks(cfg: DictConfig, resume: str | int | None = None) -> list[Callback]:
-    """The callbacks of ``cfg.resilience`` (components switched off are absent), the checkpoint callback last.
-
-    ``resume`` overrides the checkpoint callback's resume setting (e.g. a verified step after an SDC rollback).
-    """
-    built = build_all(cfg.resilience, "resilience")
-    callbacks: list[Callback] = []
-    for name, obj in built.items():
-        if not isinstance(obj, Callback):
-            raise TypeError(f"resilience.{name} must build a Lightning Callback, got {type(obj).__name__}")
-        callbacks.append(obj)
-    for cb in callbacks:
-        if isinstance(cb, TieredCheckpoint) and resume is not None:
-            cb.config.resume = str(resume)
-    # detectors first: their verdicts (and the SDC check of a step) are in place before the step is snapshotted
-    return sorted(callbacks, key=lambda cb: isinstance(cb, TieredCheckpoint))
 
 
 class FaultDrill(Callback):
@@ -141,16 +118,3 @@ def _flip_injection() -> type:
                 print(f"[drill] injected {record}", flush=True)
 
     return ReportFlips
-
-
-def exit_code(callbacks: list[Callback]) -> int:
-    """The exit status a launcher should see: the first distinct code a resilience callback asked for, else 0."""
-    for cb in callbacks:
-        code = getattr(cb, "exit_code", None)
-        if isinstance(code, int) and code:
-            return code
-        if getattr(cb, "stopped", False):  # SDC verification stopped the fit: restart from a verified step
-            from lightning_resilience.sdc.verdict import SDC_EXIT_CODE
-
-            return SDC_EXIT_CODE
-    return 0

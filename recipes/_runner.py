@@ -1,7 +1,8 @@
-"""Fit a recipe's model and data with the resilience callbacks of its config, and report what happened.
+"""Fit a recipe's model and data with the resilience suite of its config, and report what happened.
 
 Every attempt (each launcher restart) appends its figures to ``<run_dir>/report.jsonl``; the full end-of-run report
-(``<run_dir>/resilience_report.json``, the table, plots) comes from :class:`ResilienceReportCallback`.
+(``<run_dir>/resilience_report.json``, the table, plots) comes from the suite's ``ResilienceReportCallback``. The
+process ends with the code the suite decided (:func:`finish`), after the process group is torn down.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from omegaconf import DictConfig
 
-from lightning_resilience import ResilienceReportCallback, ResilientDDPStrategy, TieredCheckpoint
-from recipes._resilience import attempt_number, drill_callbacks, exit_code, resilience_callbacks
+from lightning_resilience import ResilientDDPStrategy
+from lightning_resilience.exit_codes import DecidedExit
+from lightning_resilience.lightning.coordination import Suite
+from lightning_resilience.lightning.suite import build_suite
+
+from ._resilience import attempt_number, drill_callbacks
 
 __all__ = ["LossTracker", "build_strategy", "finish", "fit"]
 
@@ -44,7 +49,7 @@ def build_strategy(name: str) -> Any:
 
 def fit(cfg: DictConfig, model: LightningModule, data: LightningDataModule) -> dict[str, Any]:
     """Train once (one attempt) with ``cfg.resilience`` and ``cfg.drill``; return this attempt's report."""
-    callbacks = resilience_callbacks(cfg)
+    callbacks = build_suite(cfg.resilience)
     tracker = LossTracker()
     tc = cfg.trainer
     trainer = Trainer(
@@ -54,10 +59,9 @@ def fit(cfg: DictConfig, model: LightningModule, data: LightningDataModule) -> d
         strategy=build_strategy(str(tc.strategy)),
         log_every_n_steps=int(tc.log_every_n_steps),
         deterministic=bool(tc.deterministic),
-        # the report goes last: every other callback has settled its figures when it collects them
-        callbacks=[*drill_callbacks(cfg.drill), *callbacks, tracker, ResilienceReportCallback(str(cfg.run_dir))],
+        # drills first: a slow rank's wait falls inside the step the straggler detector times
+        callbacks=[*drill_callbacks(cfg.drill), *callbacks, tracker],
         default_root_dir=str(cfg.run_dir),
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -65,8 +69,12 @@ def fit(cfg: DictConfig, model: LightningModule, data: LightningDataModule) -> d
         logger=False,
     )
     started = time.perf_counter()
-    trainer.fit(model, datamodule=data)
-    tiered = next((cb for cb in callbacks if isinstance(cb, TieredCheckpoint)), None)
+    try:
+        trainer.fit(model, datamodule=data)
+    except DecidedExit:
+        pass  # the code is the suite's: this attempt's figures are written first, then finish() exits with it
+    suite = Suite.of(trainer)
+    tiered = suite.checkpoint
     if tiered is None or tiered.manager is None:
         raise ValueError("the recipe needs resilience.checkpoint (e.g. resilience/checkpoint=local)")
     stats = tiered.stats
@@ -88,13 +96,13 @@ def fit(cfg: DictConfig, model: LightningModule, data: LightningDataModule) -> d
         "restored_from": stats.restored_from,
         "restore_ms": stats.restore_seconds * 1e3,
         "skipped_corrupt": stats.skipped_corrupt,
-        "exit_code": exit_code(callbacks),
+        "discarded_suspect": tiered.discarded_suspect,
+        "exit_code": int(suite.exit_code),
     }
     if trainer.is_global_zero:
-        for cb in callbacks:
-            summary = getattr(cb, "summary", None)
-            if callable(summary):
-                print(summary(), flush=True)
+        print(tiered.summary(), flush=True)
+        for member in [*suite.reporters, suite]:
+            print(member.summary(), flush=True)
         run_dir = Path(str(cfg.run_dir))
         run_dir.mkdir(parents=True, exist_ok=True)
         with open(run_dir / "report.jsonl", "a") as f:

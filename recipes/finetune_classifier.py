@@ -15,10 +15,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_resilience import ResumableDataLoader
 from lightning_resilience.config.registry import register_configs
-from recipes._classifier import GPTClassifier
-from recipes._data import SyntheticClassificationDataModule
-from recipes._gpt import gpt_preset
-from recipes._runner import finish, fit
+
+from ._classifier import GPTClassifier
+from ._data import SyntheticClassificationDataModule
+from ._gpt import gpt_preset
+from ._runner import finish, fit
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 

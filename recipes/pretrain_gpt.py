@@ -17,9 +17,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_resilience import ResumableDataLoader
 from lightning_resilience.config.registry import register_configs
-from recipes._data import SyntheticTokenDataModule
-from recipes._gpt import TinyGPT, gpt_preset
-from recipes._runner import finish, fit
+
+from ._data import SyntheticTokenDataModule
+from ._gpt import TinyGPT, gpt_preset
+from ._runner import finish, fit
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 

@@ -1,4 +1,5 @@
-"""The resilience policy: verdicts posted on any rank become one action, taken by every rank at the same step."""
+"""The resilience policy: verdicts posted on any rank become one action, taken by every rank at the same step; the
+suite carries it out whatever the order of the callbacks, and the process ends with its code."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_resilience import CheckpointConfig, LocalTier, MemoryTier, TieredCheckpoint
+from lightning_resilience import CheckpointConfig, DecidedExit, ExitCode, LocalTier, MemoryTier, Suite, TieredCheckpoint
 from lightning_resilience.config.policy import PolicyConfig
-from lightning_resilience.lightning.callbacks.policy import POLICY_STOP_EXIT_CODE, ResiliencePolicy, find_policy
-from lightning_resilience.policy import Action, Event, PolicyBus, PostedVerdict
+from lightning_resilience.lightning.callbacks.policy import ResiliencePolicy
+from lightning_resilience.policy import Action, Event, PolicyBus, Verdict
 from tests._ranks import run_ranks
 from tests.lightning._training import build, trainer
 
@@ -27,12 +28,23 @@ def test_config_rejects_actions_that_make_no_sense_for_the_event() -> None:
 def test_the_most_severe_action_wins_and_nothing_means_none() -> None:
     bus = PolicyBus(PolicyConfig(straggler="alert"))
     assert bus.decide(3) is None
-    bus.post(PostedVerdict(Event.STRAGGLER, 4, 0, "rank 0 1.5x slower"))
-    bus.post(PostedVerdict(Event.SDC_MISMATCH, 4, 0, "replica mismatch"))
+    bus.post(Verdict(Event.STRAGGLER, 4, 0, "rank 0 1.5x slower"))
+    bus.post(Verdict(Event.SDC_MISMATCH, 4, 0, "replica mismatch"))
     decision = bus.decide(4)
     assert decision is not None and decision.action is Action.ROLLBACK and len(decision.verdicts) == 2
+    assert decision.event is Event.SDC_MISMATCH and decision.exit_code is ExitCode.SDC
     assert bus.decide(5) is None  # verdicts are consumed by the decision
     assert [d["action"] for d in bus.report()["decisions"]] == ["rollback"]
+
+
+def test_at_least_raises_the_mapped_action_and_the_exit_code_follows_the_event() -> None:
+    bus = PolicyBus(PolicyConfig(sdc_mismatch="alert"))
+    assert bus.post(Verdict(Event.SDC_MISMATCH, 2, 0, "persistent"), at_least=Action.ROLLBACK) is Action.ROLLBACK
+    decision = bus.decide(2)
+    assert decision is not None and decision.action is Action.ROLLBACK and decision.exit_code == 84
+    bus.post(Verdict(Event.STRAGGLER, 3, 0, "slow"))
+    decision = bus.decide(3)
+    assert decision is not None and decision.exit_code is ExitCode.STRAGGLER
 
 
 def _scenario_two_ranks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
@@ -45,7 +57,7 @@ def _scenario_two_ranks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     actions = []
     for step in range(1, 6):
         if rank == 1 and step == 3:  # only rank 1 sees the straggler
-            bus.post(PostedVerdict(Event.STRAGGLER, step, rank, "rank 1 slow"))
+            bus.post(Verdict(Event.STRAGGLER, step, rank, "rank 1 slow"))
         decision = bus.decide(step)
         actions.append(None if decision is None else [step, decision.action.value, len(decision.verdicts)])
     return {"actions": actions}
@@ -64,31 +76,53 @@ def test_a_verdict_on_one_rank_is_acted_on_by_all() -> None:
 
 
 class _SlowRankDetector(Callback):
-    """Stands in for a detector: posts a straggler verdict at one step."""
+    """Stands in for a detector of the user's own: posts a straggler verdict at one step."""
 
     def __init__(self, step: int) -> None:
         self.step = step
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.global_step == self.step:
-            policy = find_policy(trainer)
-            assert policy is not None
-            policy.post(Event.STRAGGLER, self.step, trainer.global_rank, "rank 0 2.0x slower", exit_code=83)
+            verdict = Verdict(Event.STRAGGLER, self.step, trainer.global_rank, "rank 0 2x slower")
+            Suite.of(trainer).post(trainer, verdict)
 
 
+@pytest.mark.parametrize("order", ["detector_first", "detector_last"])
 @pytest.mark.parametrize("mapping", ["checkpoint_and_stop", "alert"])
-def test_policy_callback_stops_with_a_checkpoint_or_only_alerts(tmp_path: Path, mapping: str) -> None:
+def test_policy_stops_with_a_checkpoint_and_the_exit_code_or_only_alerts(
+    tmp_path: Path, mapping: str, order: str
+) -> None:
     model, data = build()
     tiers = [MemoryTier(every_n_steps=1, keep=2), LocalTier(tmp_path, every_n_steps=100, keep=2)]
     policy = ResiliencePolicy(PolicyConfig(straggler=mapping))
     # no final flush at train end: a step-6 checkpoint can only come from the policy's checkpoint-and-stop
     ckpt = TieredCheckpoint(tiers, config=CheckpointConfig(persist_on_train_end=False))
-    t = trainer(20, [_SlowRankDetector(6), policy, ckpt])
-    t.fit(model, datamodule=data)
+    callbacks: list[Callback] = [_SlowRankDetector(6), policy, ckpt]
+    t = trainer(20, callbacks if order == "detector_first" else callbacks[::-1])
     if mapping == "alert":
-        assert t.global_step == 20 and policy.exit_code is None
+        t.fit(model, datamodule=data)
+        assert t.global_step == 20 and policy.exit_code == 0
         assert tiers[1].list_steps() == []
     else:
-        assert t.global_step == 6 and policy.exit_code == 83 != POLICY_STOP_EXIT_CODE
-        assert 6 in tiers[1].list_steps()  # saved before stopping
+        with pytest.raises(DecidedExit) as ended:  # no user code: the end of fit ends the process with the code
+            t.fit(model, datamodule=data)
+        assert ended.value.code == ExitCode.STRAGGLER == policy.exit_code
+        assert t.global_step == 6 and 6 in tiers[1].list_steps()  # saved before stopping
     assert [d["action"] for d in policy.report()["decisions"]] == [mapping]
+
+
+def test_exit_after_fit_false_leaves_the_exit_to_the_caller(tmp_path: Path) -> None:
+    model, data = build()
+    policy = ResiliencePolicy(PolicyConfig(exit_after_fit=False))
+    tiers = [MemoryTier(every_n_steps=1, keep=2), LocalTier(tmp_path, every_n_steps=100, keep=2)]
+    t = trainer(20, [_SlowRankDetector(4), policy, TieredCheckpoint(tiers)])
+    t.fit(model, datamodule=data)
+    assert t.global_step == 4 and Suite.of(t).exit_code is ExitCode.STRAGGLER
+
+
+def test_two_checkpoint_callbacks_are_refused(tmp_path: Path) -> None:
+    model, data = build()
+    a = TieredCheckpoint([MemoryTier(every_n_steps=1, keep=1)])
+    b = TieredCheckpoint([MemoryTier(every_n_steps=1, keep=1, name="ram")])
+    with pytest.raises(RuntimeError, match="more than one stateful callback"):  # Lightning's own check
+        trainer(3, [a, b]).fit(model, datamodule=data)

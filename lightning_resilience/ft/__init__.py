@@ -6,14 +6,12 @@ Framework-free (torch and torch.distributed only); the Lightning adapter is
 
 from lightning_resilience.ft.ettr import AttemptRecord, EttrLedger, EttrReport
 from lightning_resilience.ft.heartbeat import RankMonitorBridge, connect_rank_monitor
-from lightning_resilience.ft.preemption import PREEMPT_EXIT_CODE, PreemptionNotice, connect_store
+from lightning_resilience.ft.preemption import PreemptionNotice, connect_store
 from lightning_resilience.ft.rendezvous import attempt_store, restart_hazard
 from lightning_resilience.ft.restart import Attempt, FaultNote, current_attempt, read_fault_notes, write_fault_note
-from lightning_resilience.ft.watchdog import HANG_EXIT_CODE, Hang, HangHandler, TimeoutCalibrator, Watchdog, dump_stacks
+from lightning_resilience.ft.watchdog import Hang, HangHandler, TimeoutCalibrator, Watchdog, dump_stacks
 
 __all__ = [
-    "HANG_EXIT_CODE",
-    "PREEMPT_EXIT_CODE",
     "Attempt",
     "AttemptRecord",
     "EttrLedger",

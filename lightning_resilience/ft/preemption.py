@@ -23,14 +23,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_resilience.exit_codes import ExitCode
-
-__all__ = ["PREEMPT_EXIT_CODE", "PreemptionNotice", "connect_store"]
+__all__ = ["PreemptionNotice", "connect_store"]
 
 log = logging.getLogger(__name__)
-
-PREEMPT_EXIT_CODE = int(ExitCode.PREEMPTED)
-"""Exit status after a preemption notice was handled (state saved): requeue the job or restart the group."""
 
 _KEY = "stop_step"
 

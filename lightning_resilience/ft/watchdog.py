@@ -3,7 +3,7 @@
 The training thread reports where it is (``watchdog.switch("step")``); the watchdog thread sleeps until the current
 section's deadline (or until woken by a switch) and, when a section outlives its timeout, hands a :class:`Hang` to
 the ``on_hang`` handler. The default handler (:class:`HangHandler`) dumps every thread's stack, writes a fault note
-and ends the process with :data:`HANG_EXIT_CODE`: the main thread is stuck, so nothing else can end it.
+and ends the process with ``ExitCode.HANG``: the main thread is stuck, so nothing else can end it.
 """
 
 from __future__ import annotations
@@ -23,12 +23,9 @@ from typing import Any
 from lightning_resilience.exit_codes import ExitCode
 from lightning_resilience.ft.restart import FaultNote, write_fault_note
 
-__all__ = ["HANG_EXIT_CODE", "Hang", "HangHandler", "TimeoutCalibrator", "Watchdog", "dump_stacks"]
+__all__ = ["Hang", "HangHandler", "TimeoutCalibrator", "Watchdog", "dump_stacks"]
 
 log = logging.getLogger(__name__)
-
-HANG_EXIT_CODE = int(ExitCode.HANG)
-"""Exit status of a rank ended by the watchdog: the launcher restarts the group."""
 
 OUT_OF_SECTION = "out_of_section"
 
@@ -255,7 +252,7 @@ def dump_stacks(path: Path) -> Path:
 
 
 class HangHandler:
-    """The default reaction to a hang: dump stacks, write a fault note, then end the rank with HANG_EXIT_CODE.
+    """The default reaction to a hang: dump stacks, write a fault note, then end the rank with ExitCode.HANG.
 
     Args:
         run_dir: the run directory (stacks under ``stacks/``, notes under ``faults/``).
@@ -289,7 +286,7 @@ class HangHandler:
                 # and a failure to record the hang must not keep it alive
                 for handler in logging.getLogger().handlers:
                     handler.flush()
-                os._exit(HANG_EXIT_CODE)
+                os._exit(int(ExitCode.HANG))
 
     def _record(self, hang: Hang) -> None:
         stacks = None

@@ -1,18 +1,25 @@
-"""NeMo bridge: build our callbacks from a ``resilience:`` section of a NeMo (Hydra) config and take over the
-fault-tolerance and straggler keys of NeMo's ``exp_manager``.
+"""NeMo bridge: NeMo's own fault-tolerance and straggler keys through our callbacks, and our suite from a
+``resilience:`` section of a NeMo (Hydra) config.
+
+A stock NeMo script needs no change: ``+resilience=default`` on its command line switches the suite on (the
+``callbacks_factory`` entry point, :mod:`lightning_resilience.lightning.suite`).
 
 NeMo's ``exp_manager`` (NeMo 3.0, ``nemo/utils/exp_manager.py``) imports its fault-tolerance and straggler callbacks
 from a top-level ``ptl_resiliency`` package that nvidia-resiliency-ext no longer ships, so
 ``create_fault_tolerance_callback=True`` raises ``ValueError: FaultToleranceCallback was enabled ... but
 fault_tolerance package is not installed`` (and ``create_straggler_detection_callback=True`` the matching straggler
-error) as soon as ``exp_manager(trainer, cfg)`` runs. :func:`translate_exp_manager` turns those keys into our
-``ft`` and ``straggler`` sections and removes them from the config NeMo sees. A training script::
+error). :func:`provide_exp_manager_callbacks`, run for every Trainer by the entry point (NeMo scripts build the
+Trainer before they call ``exp_manager``), fills those two empty slots of the imported ``exp_manager`` module with
+:func:`nemo_fault_tolerance_callback` and :func:`nemo_straggler_callback`: NeMo then adds our ``FaultTolerance``
+and ``StragglerDetection`` built from its own keys. A slot NeMo filled itself is left alone.
+
+For scripts that build the callbacks themselves, :func:`translate_exp_manager` turns those keys into our ``ft``
+and ``straggler`` sections and removes them from the config NeMo sees::
 
     trainer = Trainer(**cfg.trainer, callbacks=resilience_callbacks(cfg))
     stripped, _ = translate_exp_manager(cfg.exp_manager, resilience=cfg.get("resilience"))
     exp_manager(trainer, stripped)
-    trainer.fit(model)
-    sys.exit(resilience_exit_code(trainer))
+    trainer.fit(model)  # ends the process with the suite's exit code when it decided to stop
 
 The module imports no NeMo: it works on OmegaConf configs only, so the translation runs (and is tested) without it.
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +41,9 @@ __all__ = [
     "NEMO_FAULT_TOLERANCE_KEYS",
     "NEMO_STRAGGLER_KEYS",
     "attach",
+    "nemo_fault_tolerance_callback",
+    "nemo_straggler_callback",
+    "provide_exp_manager_callbacks",
     "resilience_callbacks",
     "resilience_exit_code",
     "translate_exp_manager",
@@ -229,8 +240,7 @@ def resilience_callbacks(cfg: Mapping[str, Any] | DictConfig) -> list[Callback]:
     Raises:
         ValueError: a bad setting (the message names its full key), or ``${run_dir}`` used but not set.
     """
-    from lightning_resilience.config.registry import build_all
-    from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
+    from lightning_resilience.lightning.suite import build_suite
 
     root = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
     try:
@@ -246,13 +256,7 @@ def resilience_callbacks(cfg: Mapping[str, Any] | DictConfig) -> list[Callback]:
             continue  # settings for a component only when it is on (the policy)
         base = res.get(name) or copy.deepcopy(_DEFAULT_NODES[name])
         res[name] = _deep_merge(base, fragment, f"resilience.{name}")
-    callbacks: list[Callback] = []
-    for name, obj in build_all(res, "resilience").items():
-        if not isinstance(obj, Callback):
-            raise ValueError(f"resilience.{name} must build a Lightning Callback, got {type(obj).__name__}")
-        callbacks.append(obj)
-    # detectors first: their verdicts are in place before the step is snapshotted
-    return sorted(callbacks, key=lambda cb: isinstance(cb, TieredCheckpoint))
+    return build_suite(res)
 
 
 def attach(target: Trainer | MutableMapping[str, Any], cfg: Mapping[str, Any] | DictConfig) -> list[Callback]:
@@ -275,19 +279,77 @@ def attach(target: Trainer | MutableMapping[str, Any], cfg: Mapping[str, Any] | 
 
 
 def resilience_exit_code(trainer: Trainer) -> int:
-    """Status to end the process with after ``fit``: the first distinct code one of our callbacks asked for (a
-    preemption, a straggler stop, an SDC stop), for the launcher to act on; else 0."""
-    for cb in trainer.callbacks:  # type: ignore[attr-defined]
-        if not type(cb).__module__.startswith("lightning_resilience."):
-            continue
-        code = getattr(cb, "exit_code", None)
-        if isinstance(code, int) and code:
-            return code
-        if getattr(cb, "stopped", False):  # SDC verification stopped the fit: restart from a verified step
-            from lightning_resilience.sdc.verdict import SDC_EXIT_CODE
+    """The code the suite decided (a preemption, a straggler stop, a corrupt state), else 0 — for a script that set
+    ``PolicyConfig.exit_after_fit`` to false and ends the process itself."""
+    from lightning_resilience.lightning.coordination import Suite
 
-            return SDC_EXIT_CODE
-    return 0
+    return int(Suite.of(trainer).exit_code)
+
+
+# ---------------------------------------------------------------------------------------------------- exp_manager
+def nemo_fault_tolerance_callback(
+    *,
+    exp_dir: str | Path | None = None,
+    autoresume: bool = False,
+    calculate_timeouts: bool = True,
+    simulated_fault_params: Any = None,
+    **unknown: Any,
+) -> Callback:
+    """Our ``FaultTolerance`` for NeMo's ``exp_manager.create_fault_tolerance_callback`` (its NVRx arguments).
+
+    The ledger, notes and stack dumps go to ``<exp_dir>/resilience``; ``calculate_timeouts`` is our ``calibrate``.
+    ``autoresume`` (NVRx's "finished" flag file for its launcher) has no counterpart: restarts read exit codes.
+    """
+    from lightning_resilience.ft.config import FaultToleranceConfig
+    from lightning_resilience.lightning.callbacks.fault_tolerance import FaultTolerance
+
+    if unknown:
+        raise ValueError(f"exp_manager.fault_tolerance: arguments NeMo 3.0 does not pass: {sorted(unknown)}")
+    config = _translate_fault_tolerance(
+        {"calculate_timeouts": calculate_timeouts, "simulated_fault": simulated_fault_params}
+    )
+    run_dir = str(Path(exp_dir) / "resilience") if exp_dir is not None else None
+    if autoresume:
+        log.info("exp_manager.fault_tolerance: autoresume is NVRx launcher bookkeeping; restarts use exit codes")
+    return FaultTolerance(FaultToleranceConfig(run_dir=run_dir, **config))
+
+
+def nemo_straggler_callback(**params: Any) -> Callback:
+    """Our ``StragglerDetection`` for NeMo's ``exp_manager.create_straggler_detection_callback`` (its
+    ``straggler_detection_params``)."""
+    from lightning_resilience.lightning.callbacks.straggler import StragglerDetection
+    from lightning_resilience.straggler.config import StragglerConfig, StragglerLevelConfig
+
+    _check_keys(params, NEMO_STRAGGLER_KEYS, "exp_manager.straggler_detection_params")
+    out = _translate_straggler(params)
+    config = dict(out["config"])
+    config["levels"] = [StragglerLevelConfig(**level) for level in config["levels"]]
+    return StragglerDetection(StragglerConfig(**config), max_logged_ranks=int(out.get("max_logged_ranks", 64)))
+
+
+def provide_exp_manager_callbacks() -> bool:
+    """Fill the empty fault-tolerance and straggler slots of NeMo's imported ``exp_manager`` module with ours.
+
+    Only slots NeMo left empty (its ``ptl_resiliency`` import failed) are filled, and only when NeMo's
+    ``exp_manager`` module is imported; NeMo uses them only when its ``create_*_callback`` key is true. Returns
+    whether a slot was filled.
+    """
+    module = sys.modules.get("nemo.utils.exp_manager")
+    if module is None:
+        return False
+    filled = False
+    slots = (
+        ("HAVE_FT", "FaultToleranceCallback", nemo_fault_tolerance_callback),
+        ("HAVE_STRAGGLER_DET", "StragglerDetectionCallback", nemo_straggler_callback),
+    )
+    for flag, name, factory in slots:
+        if vars(module).get(flag) is False:
+            setattr(module, name, factory)
+            setattr(module, flag, True)
+            filled = True
+    if filled:
+        log.info("NeMo exp_manager: fault tolerance and straggler detection provided by lightning_resilience")
+    return filled
 
 
 # ---------------------------------------------------------------------------------------------------- helpers

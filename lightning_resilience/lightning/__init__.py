@@ -1,9 +1,6 @@
 """Thin Lightning adapters over the framework-free engines."""
 
 from lightning_resilience.lightning.callbacks import (
-    HANG_EXIT_CODE,
-    PREEMPT_EXIT_CODE,
-    STRAGGLER_EXIT_CODE,
     BitFlipInjection,
     FaultTolerance,
     ResiliencePolicy,
@@ -12,14 +9,12 @@ from lightning_resilience.lightning.callbacks import (
     StragglerDetection,
     TieredCheckpoint,
 )
+from lightning_resilience.lightning.coordination import Suite
 from lightning_resilience.lightning.strategies.ddp import ResilientDDPStrategy
 from lightning_resilience.lightning.strategies.model_parallel import ResilientModelParallelStrategy
 
 __all__ = [
     "BitFlipInjection",
-    "HANG_EXIT_CODE",
-    "PREEMPT_EXIT_CODE",
-    "STRAGGLER_EXIT_CODE",
     "FaultTolerance",
     "ResilienceReportCallback",
     "ResiliencePolicy",
@@ -27,5 +22,6 @@ __all__ = [
     "ResilientModelParallelStrategy",
     "SDCVerification",
     "StragglerDetection",
+    "Suite",
     "TieredCheckpoint",
 ]

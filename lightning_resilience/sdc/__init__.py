@@ -8,12 +8,11 @@ from lightning_resilience.sdc.localize import Ballot, Opinion, vote
 from lightning_resilience.sdc.monitor import SDCMonitor, SDCStats, StepOutcome
 from lightning_resilience.sdc.reconcile import ReplicaReconciler
 from lightning_resilience.sdc.replay import BucketFingerprintHook, GradientReplayer, capture_rng, rng_as
-from lightning_resilience.sdc.verdict import SDC_EXIT_CODE, SDCEvent, SilentDataCorruptionError, Verdict
+from lightning_resilience.sdc.verdict import Diagnosis, SDCEvent, SilentDataCorruptionError
 
 __all__ = [
     "BIT_CLASSES",
     "LOCATIONS",
-    "SDC_EXIT_CODE",
     "Ballot",
     "BitFlipInjector",
     "BitwiseDigest",
@@ -33,7 +32,7 @@ __all__ = [
     "SilentDataCorruptionError",
     "StepOutcome",
     "ToleranceDigest",
-    "Verdict",
+    "Diagnosis",
     "capture_rng",
     "flip_bit_",
     "make_digest",

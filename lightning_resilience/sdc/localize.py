@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_resilience.sdc.verdict import Verdict
+from lightning_resilience.sdc.verdict import Diagnosis
 
 __all__ = ["Ballot", "Opinion", "next_device", "vote"]
 
@@ -46,14 +46,14 @@ class Ballot:
         return sorted({*self.transient, *self.persistent, *self.undecided_ranks})
 
     @property
-    def verdict(self) -> Verdict:
+    def verdict(self) -> Diagnosis:
         if not self.decided:
-            return Verdict.UNRESOLVED
+            return Diagnosis.UNRESOLVED
         if self.persistent:
-            return Verdict.PERSISTENT
+            return Diagnosis.PERSISTENT
         if self.transient:
-            return Verdict.TRANSIENT
-        return Verdict.CLEAN
+            return Diagnosis.TRANSIENT
+        return Diagnosis.CLEAN
 
 
 def vote(opinions: Sequence[Opinion], equal: Callable[[torch.Tensor, torch.Tensor], bool]) -> Ballot:

@@ -39,7 +39,7 @@ from lightning_resilience.sdc.replay import (
     capture_rng,
 )
 from lightning_resilience.sdc.rounds import ReplayRound
-from lightning_resilience.sdc.verdict import SDCEvent, Verdict
+from lightning_resilience.sdc.verdict import Diagnosis, SDCEvent
 
 __all__ = ["SDCMonitor", "SDCStats", "StepOutcome"]
 
@@ -275,7 +275,7 @@ class SDCMonitor:
                 f"non-finite loss or gradients at step {steps or '(another rank)'}, read {self.reader.lag} step(s) "
                 "late: the update is applied; roll back to a verified step"
             )
-            self._record(out, SDCEvent(out.step, "guard:nonfinite", Verdict.ANOMALY, [], "rollback", detail))
+            self._record(out, SDCEvent(out.step, "guard:nonfinite", Diagnosis.ANOMALY, [], "rollback", detail))
             self._fail(out, [])
         return out
 
@@ -290,7 +290,7 @@ class SDCMonitor:
         self._force_reconcile = False
         if force and self.world_size == 1:
             detail = "parameter norm jumped; one replica cannot be reconciled (a replay does not cover stored state)"
-            self._record(out, SDCEvent(out.step, "guard:param_norm_jump", Verdict.ANOMALY, detail=detail))
+            self._record(out, SDCEvent(out.step, "guard:param_norm_jump", Diagnosis.ANOMALY, detail=detail))
         elif self.world_size > 1 and not self.dirty and (force or self._due(self.config.reconcile_every_n_steps)):
             start = self._clock()
             ballot, differing = self.reconciler.reconcile(self._gather_tensor)
@@ -318,7 +318,7 @@ class SDCMonitor:
     def _record(self, out: StepOutcome, event: SDCEvent) -> None:
         out.events.append(event)
         self.events.append(event)
-        if event.verdict not in (Verdict.CLEAN, Verdict.ANOMALY):
+        if event.verdict not in (Diagnosis.CLEAN, Diagnosis.ANOMALY):
             self.stats.detections[event.verdict.value] = self.stats.detections.get(event.verdict.value, 0) + 1
             for s in event.suspects:
                 self.suspects[s] = event.verdict.value
@@ -330,7 +330,7 @@ class SDCMonitor:
         detail = f"replicas differ in {differing[:4]}"
         if not ballot.decided:
             detail += "; two opinions and no majority: every replica is suspect"
-        self._record(out, SDCEvent(out.step, "reconcile", Verdict.DIVERGED, ballot.suspects, "rollback", detail))
+        self._record(out, SDCEvent(out.step, "reconcile", Diagnosis.DIVERGED, ballot.suspects, "rollback", detail))
         self._fail(out, ballot.suspects)
 
     def _fail(self, out: StepOutcome, suspects: list[int]) -> None:

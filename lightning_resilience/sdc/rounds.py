@@ -16,7 +16,7 @@ import torch
 from lightning_resilience.sdc.fingerprint import group_rows
 from lightning_resilience.sdc.localize import Ballot, Opinion, next_device, vote
 from lightning_resilience.sdc.replay import map_tensors, rng_as
-from lightning_resilience.sdc.verdict import SDCEvent, Verdict
+from lightning_resilience.sdc.verdict import Diagnosis, SDCEvent
 
 if TYPE_CHECKING:
     from lightning_resilience.sdc.monitor import SDCMonitor, StepOutcome
@@ -99,7 +99,7 @@ class ReplayRound:
         raw: dict[int, list[torch.Tensor | None]],
         own_grads: list[tuple[torch.Tensor, list[torch.Tensor | None]]],
     ) -> None:
-        if self.m.world_size > 1 and any(b.verdict is not Verdict.CLEAN for b in ballots.values()):
+        if self.m.world_size > 1 and any(b.verdict is not Diagnosis.CLEAN for b in ballots.values()):
             # a replay on another rank proves something only if the replicas are identical: check that first
             ballot, differing = self.m.reconciler.reconcile(self.m._gather_tensor)
             self.m.stats.reconcile_rounds += 1
@@ -113,7 +113,7 @@ class ReplayRound:
         for b, ballot in ballots.items():
             ops = opinions[b]
             original_bad = ballot.decided and any(ops[i].kind == "original" for i in ballot.dissent)
-            if ballot.verdict is Verdict.CLEAN:
+            if ballot.verdict is Diagnosis.CLEAN:
                 continue
             if original_bad and b in ballot.transient:
                 corrupt_original.append(b)
@@ -132,7 +132,7 @@ class ReplayRound:
                 detail = "a guard fired at an earlier step; the replay of this step reproduced it: no faulty device"
             else:
                 detail = "the replay reproduced the step: not a hardware fault"
-            self.m._record(out, SDCEvent(out.step, mechanism, Verdict.ANOMALY, [], "none", detail))
+            self.m._record(out, SDCEvent(out.step, mechanism, Diagnosis.ANOMALY, [], "none", detail))
         if unfixable:
             self.m._fail(out, sorted({s for b in unfixable for s in ballots[b].suspects}))
             return

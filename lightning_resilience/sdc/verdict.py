@@ -1,4 +1,7 @@
-"""Verdicts of SDC verification, the events that carry them, and the error raised when training must not go on."""
+"""Diagnoses of SDC verification, the events that carry them, and the error raised when training must not go on.
+
+A :class:`Diagnosis` classifies one check of one step; a diagnosis that leaves the state corrupt becomes a
+:class:`~lightning_resilience.policy.Verdict` (event ``sdc_mismatch``) posted to the suite's policy."""
 
 from __future__ import annotations
 
@@ -8,13 +11,10 @@ from typing import Any
 
 from lightning_resilience.exit_codes import ExitCode
 
-__all__ = ["SDC_EXIT_CODE", "SDCEvent", "SilentDataCorruptionError", "Verdict"]
-
-SDC_EXIT_CODE = int(ExitCode.SDC)
-"""Exit code of a run stopped because a device computes wrong results: the launcher should exclude the node."""
+__all__ = ["Diagnosis", "SDCEvent", "SilentDataCorruptionError"]
 
 
-class Verdict(str, Enum):
+class Diagnosis(str, Enum):
     """What a check concluded about one step."""
 
     CLEAN = "clean"
@@ -38,7 +38,7 @@ class SDCEvent:
     step: int
     mechanism: str
     """'guard:<name>', 'replay' or 'reconcile'."""
-    verdict: Verdict
+    verdict: Diagnosis
     suspects: list[int] = field(default_factory=list)
     action: str = "none"
     """'none', 'recomputed' (fixed in place before the optimizer step), 'rollback' or 'stop'."""
@@ -57,9 +57,9 @@ class SilentDataCorruptionError(RuntimeError):
     ``exit_code`` is what a launcher should see.
     """
 
-    exit_code = SDC_EXIT_CODE
+    exit_code = ExitCode.SDC
 
-    def __init__(self, message: str, *, verdict: Verdict, step: int, suspects: list[int], rollback_step: int | None):
+    def __init__(self, message: str, *, verdict: Diagnosis, step: int, suspects: list[int], rollback_step: int | None):
         super().__init__(message)
         self.verdict = verdict
         self.step = step

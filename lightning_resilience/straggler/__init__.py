@@ -12,7 +12,7 @@ from lightning_resilience.straggler.exchange import (
     gloo_gather,
 )
 from lightning_resilience.straggler.kernels import NvrxKernelScores, open_kernel_scores
-from lightning_resilience.straggler.policy import STRAGGLER_EXIT_CODE, Action, ActionLadder, Decision, Verdict
+from lightning_resilience.straggler.policy import LEVEL_ACTIONS, ActionLadder, Escalation, StragglerFinding
 from lightning_resilience.straggler.probes import WaitProbe, find_parallelism
 from lightning_resilience.straggler.scoreboard import Scoreboard
 from lightning_resilience.straggler.scores import (
@@ -43,13 +43,12 @@ __all__ = [
     "FORWARD",
     "OPTIMIZER",
     "STEP",
-    "STRAGGLER_EXIT_CODE",
     "WAIT",
-    "Action",
+    "LEVEL_ACTIONS",
     "ActionLadder",
     "ChangePointEvents",
     "CudaEventSource",
-    "Decision",
+    "Escalation",
     "GatherFn",
     "GlooGather",
     "IndividualBaseline",
@@ -61,7 +60,7 @@ __all__ = [
     "StragglerDetector",
     "StragglerGatherError",
     "TimeSource",
-    "Verdict",
+    "StragglerFinding",
     "WaitProbe",
     "WallClockSource",
     "excess_slowdowns",

@@ -36,7 +36,7 @@ from lightning_resilience.straggler.config import StragglerConfig
 from lightning_resilience.straggler.episodes import Episodes
 from lightning_resilience.straggler.exchange import GatherFn, Payload, StragglerGatherError, gloo_gather
 from lightning_resilience.straggler.kernels import KERNELS, NvrxKernelScores, open_kernel_scores
-from lightning_resilience.straggler.policy import ActionLadder, Decision, Verdict
+from lightning_resilience.straggler.policy import ActionLadder, Escalation, StragglerFinding
 from lightning_resilience.straggler.probes import WaitProbe
 from lightning_resilience.straggler.scoreboard import Scoreboard
 from lightning_resilience.straggler.timing import COMPUTE, DATA, STEP, WAIT, CudaEventSource, StepTimer
@@ -64,8 +64,8 @@ class StragglerDetector:
                 loss.backward()
             opt.step()
             for decision in detector.end_step(step):
-                if decision.action is Action.STOP:
-                    ...  # checkpoint, then exit with STRAGGLER_EXIT_CODE
+                if decision.action is Action.CHECKPOINT_AND_STOP:
+                    ...  # checkpoint, then exit with ExitCode.STRAGGLER
 
     Args:
         config: detection and ladder settings.
@@ -92,7 +92,7 @@ class StragglerDetector:
         clock: Callable[[], float] | None = None,
         hostname: str | None = None,
         local_world_size: int | None = None,
-        exclude_hook: Callable[[Verdict], None] | None = None,
+        exclude_hook: Callable[[StragglerFinding], None] | None = None,
         kernel_scores: NvrxKernelScores | None = None,
     ) -> None:
         self.config = c = config or StragglerConfig()
@@ -128,7 +128,7 @@ class StragglerDetector:
         self.node_index: list[int] = list(range(world_size))
         self.history: deque[tuple[int, dict[str, list[float]]]] = deque(maxlen=_HISTORY_CAP)
         """Per exchange: (step, {section: seconds per rank}) for step, compute, data and wait."""
-        self.last_decisions: list[Decision] = []
+        self.last_decisions: list[Escalation] = []
         self.gathers = 0
         self.gather_seconds = 0.0
 
@@ -199,7 +199,7 @@ class StragglerDetector:
         yield
         self.end_step(step)
 
-    def end_step(self, step: int | None = None) -> list[Decision]:
+    def end_step(self, step: int | None = None) -> list[Escalation]:
         """Close the step; at exchange steps exchange timings, update the verdicts and return the decisions taken.
 
         Collective at exchange steps: every rank calls it the same number of times."""
@@ -207,7 +207,7 @@ class StragglerDetector:
         if self._kernels is not None:
             self._kernels.end()
         payload = self.prepare(step)
-        decisions: list[Decision] = []
+        decisions: list[Escalation] = []
         if payload is not None:
             assert self._last_step is not None
             decisions = self.consume(self._last_step, self._exchange(payload))
@@ -253,7 +253,7 @@ class StragglerDetector:
         self.gather_seconds += time.perf_counter() - t0
         return gathered
 
-    def consume(self, step: int, payloads: Sequence[Payload]) -> list[Decision]:
+    def consume(self, step: int, payloads: Sequence[Payload]) -> list[Escalation]:
         """Update scores, change points and the ladder from every rank's payload; act on and return the decisions.
 
         Deterministic in ``payloads``: ranks that consume the same payloads take the same decisions."""
@@ -276,7 +276,7 @@ class StragglerDetector:
         board = self.scoreboard
         events = board.update(step, np.stack([column[name] for name in self.sections]), work)
         score = "relative" if self.mode == "relative" else "individual"
-        decisions: list[Decision] = []
+        decisions: list[Escalation] = []
         for i in events.ended.tolist():
             self.episodes.ended(*board.series(i), step)
         for i in np.flatnonzero(board.cusum.flagged).tolist():
@@ -302,17 +302,17 @@ class StragglerDetector:
 
     # ------------------------------------------------------------------ reporting
     @property
-    def verdicts(self) -> list[Verdict]:
+    def verdicts(self) -> list[StragglerFinding]:
         """Stragglers and job-wide slowdowns found, in order."""
         return self.episodes.verdicts
 
     @property
-    def noise_level(self) -> list[Verdict]:
+    def noise_level(self) -> list[StragglerFinding]:
         """Confirmations within the series' jitter (``noise_level``): listed in the report, never acted on."""
         return self.episodes.noise_level
 
     @property
-    def decisions(self) -> list[Decision]:
+    def decisions(self) -> list[Escalation]:
         return self.episodes.decisions
 
     @property
@@ -324,11 +324,11 @@ class StragglerDetector:
         return self.episodes.should_stop
 
     @property
-    def stop_decision(self) -> Decision | None:
+    def stop_decision(self) -> Escalation | None:
         return self.episodes.stop_decision
 
     @property
-    def active(self) -> list[Verdict]:
+    def active(self) -> list[StragglerFinding]:
         """Verdicts whose episode is still going on (stragglers, then a job-wide slowdown)."""
         return self.episodes.active
 

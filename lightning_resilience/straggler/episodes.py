@@ -10,9 +10,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from lightning_resilience.policy import Action
 from lightning_resilience.straggler.changepoint import ChangePointEvents, RobustCusum
 from lightning_resilience.straggler.config import StragglerConfig
-from lightning_resilience.straggler.policy import Action, ActionLadder, Decision, Verdict
+from lightning_resilience.straggler.policy import ActionLadder, Escalation, StragglerFinding
 from lightning_resilience.straggler.scoreboard import JOB
 
 __all__ = ["Episodes"]
@@ -31,22 +32,22 @@ class Episodes:
     """
 
     def __init__(
-        self, config: StragglerConfig, rank: int, exclude_hook: Callable[[Verdict], None] | None = None
+        self, config: StragglerConfig, rank: int, exclude_hook: Callable[[StragglerFinding], None] | None = None
     ) -> None:
         self.config, self.rank, self.exclude_hook = config, rank, exclude_hook
         self.ladder = ActionLadder(config.levels)
         self.job_ladder = ActionLadder([lvl for lvl in config.levels if lvl.action in ("log", "alert")])
-        self.verdicts: list[Verdict] = []
-        self.noise_level: list[Verdict] = []
+        self.verdicts: list[StragglerFinding] = []
+        self.noise_level: list[StragglerFinding] = []
         """Noise-level confirmations, the first of each streak."""
         self.noise_level_count = 0
         self._noise_last: dict[tuple[int, str], int] = {}
-        self.decisions: list[Decision] = []
+        self.decisions: list[Escalation] = []
         self.should_stop = False
-        self.stop_decision: Decision | None = None
+        self.stop_decision: Escalation | None = None
 
     @property
-    def active(self) -> list[Verdict]:
+    def active(self) -> list[StragglerFinding]:
         """Verdicts whose episode is still going on (stragglers, then a job-wide slowdown)."""
         return self.ladder.active + self.job_ladder.active
 
@@ -66,13 +67,13 @@ class Episodes:
         score: str,
         nodes: Sequence[str],
         node_index: Sequence[int],
-    ) -> list[Decision]:
+    ) -> list[Escalation]:
         """The flagged episode of series ``i`` (``rank`` in ``section``) after a change-point update: when just
         confirmed, a verdict if its slowdown stands out of the series' jitter, else a noise-level confirmation that
         is listed and dismissed (the test starts over); then the ladder of a verdict decides."""
         slowdown, scale = float(events.slowdown[i]), float(cusum.scale[i])
         if bool(np.isin(i, events.started)):
-            verdict = Verdict(
+            verdict = StragglerFinding(
                 rank=rank,
                 node=nodes[rank] if rank != JOB else "",
                 node_index=node_index[rank] if rank != JOB else -1,
@@ -94,7 +95,7 @@ class Episodes:
             return []
         return self._ladder(rank).observe(rank, section, step, slowdown)
 
-    def _noise_level(self, verdict: Verdict) -> None:
+    def _noise_level(self, verdict: StragglerFinding) -> None:
         """List a noise-level confirmation once per streak (a series hovering in its jitter re-alarms often)."""
         self.noise_level_count += 1
         key = (verdict.rank, verdict.section)
@@ -115,7 +116,7 @@ class Episodes:
             who = "the job" if rank == JOB else f"rank {rank}"
             log.info("straggler: %s is back to normal in '%s' at step %d", who, section, step)
 
-    def act(self, decisions: list[Decision]) -> None:
+    def act(self, decisions: list[Escalation]) -> None:
         """Carry out ``decisions`` (every rank calls it with the same ones)."""
         for decision in decisions:
             verdict = decision.verdict
@@ -128,7 +129,7 @@ class Episodes:
             elif decision.action is Action.EXCLUDE:
                 assert self.exclude_hook is not None  # checked at construction
                 self.exclude_hook(verdict)
-            elif decision.action is Action.STOP:
+            elif decision.action is Action.CHECKPOINT_AND_STOP:
                 if self.rank == 0:
                     log.error("straggler STOP: %s; checkpoint and stop: restart without it", verdict.describe())
                 self.should_stop = True

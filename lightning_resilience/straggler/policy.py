@@ -3,39 +3,29 @@
 Each level has a slowdown threshold and a persistence requirement (training steps). While an episode lasts, a level
 counts the steps whose current slowdown is at or above its threshold (a step below resets the count) and fires once
 the count reaches its persistence; each level fires at most once per episode.
+
+A level names an :class:`~lightning_resilience.policy.Action` of the suite's one vocabulary: 'log', 'alert',
+'exclude', or 'stop' (:attr:`Action.CHECKPOINT_AND_STOP`, which the detector posts to the policy).
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_resilience.exit_codes import ExitCode
+from lightning_resilience.policy import Action
 from lightning_resilience.straggler.config import StragglerLevelConfig
 
-__all__ = ["STRAGGLER_EXIT_CODE", "Action", "ActionLadder", "Decision", "Verdict"]
+__all__ = ["LEVEL_ACTIONS", "ActionLadder", "Escalation", "StragglerFinding"]
 
-STRAGGLER_EXIT_CODE = int(ExitCode.STRAGGLER)
-"""Process exit code after a 'stop' decision (checkpointed, stopping so the launcher restarts without the slow node);
-distinct from a crash (1), a signal (128+n) and a clean end (0)."""
-
-
-class Action(str, enum.Enum):
-    """What a ladder level does, mildest first."""
-
-    LOG = "log"
-    ALERT = "alert"
-    EXCLUDE = "exclude"
-    STOP = "stop"
-
-    @property
-    def severity(self) -> int:
-        return _SEVERITY[self]
-
-
-_SEVERITY = {Action.LOG: 0, Action.ALERT: 1, Action.EXCLUDE: 2, Action.STOP: 3}
+LEVEL_ACTIONS = {
+    "log": Action.LOG,
+    "alert": Action.ALERT,
+    "exclude": Action.EXCLUDE,
+    "stop": Action.CHECKPOINT_AND_STOP,
+}
+"""A ladder level's ``action`` setting -> the action it stands for."""
 
 
 _COMPONENTS = {
@@ -46,7 +36,7 @@ _COMPONENTS = {
 
 
 @dataclass(frozen=True)
-class Verdict:
+class StragglerFinding:
     """A confirmed straggler: which rank, where it runs, in which section, and how slow. A *job* verdict
     (``scope == "job"``, ``rank == -1``) says that every rank got slower than its own history."""
 
@@ -89,11 +79,11 @@ class Verdict:
 
 
 @dataclass(frozen=True)
-class Decision:
+class Escalation:
     """One ladder level firing for one straggler at one step; every rank computes the same decisions."""
 
     action: Action
-    verdict: Verdict
+    verdict: StragglerFinding
     step: int
     threshold: float
     persist_steps: int
@@ -110,7 +100,7 @@ class Decision:
 
 @dataclass
 class _Episode:
-    verdict: Verdict
+    verdict: StragglerFinding
     last_step: int
     counts: list[int]
     fired: list[bool]
@@ -128,10 +118,10 @@ class ActionLadder:
         self._episodes: dict[tuple[int, str], _Episode] = {}
 
     @property
-    def active(self) -> list[Verdict]:
+    def active(self) -> list[StragglerFinding]:
         return [e.verdict for e in self._episodes.values()]
 
-    def start(self, verdict: Verdict, previous_step: int | None = None) -> None:
+    def start(self, verdict: StragglerFinding, previous_step: int | None = None) -> None:
         """A new episode begins at ``verdict.step``; nothing fires yet: ``observe`` counts the steps since
         ``previous_step`` (the previous sample; default: the step before)."""
         n = len(self.levels)
@@ -141,19 +131,19 @@ class ActionLadder:
     def end(self, rank: int, section: str) -> None:
         self._episodes.pop((rank, section), None)
 
-    def observe(self, rank: int, section: str, step: int, slowdown: float) -> list[Decision]:
+    def observe(self, rank: int, section: str, step: int, slowdown: float) -> list[Escalation]:
         """The episode of ``(rank, section)`` shows ``slowdown`` at ``step``: the levels that fire now."""
         episode = self._episodes.get((rank, section))
         if episode is None:
             return []
         elapsed = max(1, step - episode.last_step)  # with a gather cadence > 1 one sample stands for several steps
         episode.last_step = step
-        episode.verdict = Verdict(**{**episode.verdict.to_dict(), "slowdown": float(slowdown)})
-        out: list[Decision] = []
+        episode.verdict = StragglerFinding(**{**episode.verdict.to_dict(), "slowdown": float(slowdown)})
+        out: list[Escalation] = []
         for i, level in enumerate(self.levels):
             episode.counts[i] = episode.counts[i] + elapsed if slowdown >= level.slowdown else 0
             if not episode.fired[i] and episode.counts[i] >= level.persist_steps:
                 episode.fired[i] = True
-                action = Action(level.action)
-                out.append(Decision(action, episode.verdict, step, level.slowdown, level.persist_steps))
+                action = LEVEL_ACTIONS[str(level.action)]
+                out.append(Escalation(action, episode.verdict, step, level.slowdown, level.persist_steps))
         return sorted(out, key=lambda d: d.action.severity)

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_resilience import LocalTier, MemoryTier, TieredCheckpoint
+from lightning_resilience import DecidedExit, ExitCode, LocalTier, MemoryTier, TieredCheckpoint
 from lightning_resilience.config.ft import FaultToleranceConfig
 from lightning_resilience.ft.watchdog import Hang
-from lightning_resilience.lightning.callbacks.fault_tolerance import PREEMPT_EXIT_CODE, FaultTolerance
+from lightning_resilience.lightning.callbacks.fault_tolerance import FaultTolerance
 from tests.lightning._training import build, trainer
 
 pytestmark = pytest.mark.timeout(120)
@@ -81,9 +81,11 @@ def test_preemption_notice_saves_the_newest_snapshot_and_the_resume_starts_calib
     ft = FaultTolerance(_config(tmp_path / "run"))
     model, data = build()
     fit = trainer(12, [ft, TieredCheckpoint(_tiers(tmp_path)), NotifyAt(6)])
-    fit.fit(model, datamodule=data)
+    with pytest.raises(DecidedExit) as ended:  # the end of fit ends the process with the requeue code
+        fit.fit(model, datamodule=data)
+    assert ended.value.code == ExitCode.PREEMPTED == 87
     # one process: the notice during step 7 stops at the boundary right after it
-    assert fit.global_step == 7 and ft.preempted_at == 7 and ft.exit_code == PREEMPT_EXIT_CODE
+    assert fit.global_step == 7 and ft.preempted_at == 7 and ft.exit_code == ExitCode.PREEMPTED
     assert ft.emergency_saved == 7  # the newest RAM snapshot, although the disk tier's cadence is 50 steps
     assert (tmp_path / "ckpt" / f"step_{7:012d}").is_dir()
     assert ft.calibrator.calibrated("step")
@@ -160,7 +162,6 @@ def test_metrics_are_logged_under_resilience_ft(tmp_path: Path) -> None:
         accelerator="cpu",
         logger=CSVLogger(tmp_path / "logs"),
         log_every_n_steps=1,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,

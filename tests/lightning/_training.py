@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import Checkpoint
 
 from recipes._data import SyntheticTokenDataModule
 from recipes._gpt import TinyGPT
@@ -39,7 +40,8 @@ def trainer(max_steps: int, callbacks: list[Callback], **kwargs: Any) -> Trainer
         accelerator="cpu",
         devices=kwargs.pop("devices", 1),
         logger=kwargs.pop("logger", False),
-        enable_checkpointing=False,
+        # TieredCheckpoint is a Lightning Checkpoint: with one, Lightning adds no ModelCheckpoint of its own
+        enable_checkpointing=any(isinstance(cb, Checkpoint) for cb in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,

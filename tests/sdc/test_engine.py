@@ -11,7 +11,7 @@ from lightning_resilience.sdc.guards import Guards
 from lightning_resilience.sdc.inject import BIT_CLASSES, LOCATIONS, FlipSpec, bit_positions, flip_bit_
 from lightning_resilience.sdc.localize import Opinion, next_device, vote
 from lightning_resilience.sdc.monitor import SDCMonitor
-from lightning_resilience.sdc.verdict import Verdict
+from lightning_resilience.sdc.verdict import Diagnosis
 from tests.sdc._loop import batches, make_model, train
 
 pytestmark = pytest.mark.timeout(60)
@@ -82,16 +82,16 @@ def _op(rank: int, kind: str, value: int) -> Opinion:
 def test_vote_names_transient_persistent_and_ties() -> None:
     eq = BitwiseDigest().equal
     transient = vote([_op(1, "original", 9), _op(1, "replay", 1), _op(2, "replay", 1)], eq)
-    assert transient.verdict is Verdict.TRANSIENT and transient.suspects == [1]
+    assert transient.verdict is Diagnosis.TRANSIENT and transient.suspects == [1]
     # a device reproducing its own wrong answer counts once: a tie between two devices, then a third decides
     tie = [_op(1, "original", 9), _op(1, "replay", 9), _op(2, "replay", 1)]
-    assert vote(tie, eq).verdict is Verdict.UNRESOLVED
+    assert vote(tie, eq).verdict is Diagnosis.UNRESOLVED
     assert next_device(1, tie, 3, others=True) == 0
     persistent = vote([*tie, _op(0, "replay", 1)], eq)
-    assert persistent.verdict is Verdict.PERSISTENT and persistent.suspects == [1]
+    assert persistent.verdict is Diagnosis.PERSISTENT and persistent.suspects == [1]
     # one device alone: opinions count (original glitched, two replays agree)
     single = vote([_op(0, "original", 9), _op(0, "replay", 1), _op(0, "replay", 1)], eq)
-    assert single.verdict is Verdict.TRANSIENT and single.dissent == [0]
+    assert single.verdict is Diagnosis.TRANSIENT and single.dissent == [0]
     assert vote([_op(0, "replica", 1), _op(1, "replica", 1), _op(2, "replica", 3)], eq).persistent == [2]
 
 
@@ -120,7 +120,7 @@ def test_single_process_flip_is_fixed_to_clean_weights(location: str, bit_class:
     for k in reference:
         assert torch.equal(final[k], reference[k]), k
     # a flip either changed the gradients (then it was caught and fixed) or changed nothing at all
-    assert [(e.verdict, e.action) for e in monitor.events] in ([(Verdict.TRANSIENT, "recomputed")], [])
+    assert [(e.verdict, e.action) for e in monitor.events] in ([(Diagnosis.TRANSIENT, "recomputed")], [])
     if location == "grad":
         assert monitor.events and monitor.events[0].suspects == [0]
 
@@ -130,7 +130,7 @@ def test_tolerance_mode_clean_and_exponent_flip() -> None:
     _, _, clean = train(6, cfg)
     assert clean is not None and clean.events == []
     _, _, flipped = train(6, cfg, plan=[FlipSpec("grad", step=2, bit_class="exponent", bit=30)])
-    assert flipped is not None and [e.verdict for e in flipped.events] == [Verdict.TRANSIENT]
+    assert flipped is not None and [e.verdict for e in flipped.events] == [Diagnosis.TRANSIENT]
 
 
 def test_locations_constant_lists_every_target() -> None:
@@ -170,5 +170,5 @@ def test_guard_read_late_replays_the_next_step_and_keeps_the_update() -> None:
         monitor.after_optimizer_step()
     assert monitor.stats.replay_rounds == 1 and not monitor.dirty
     [event] = monitor.events
-    assert (event.step, event.verdict, event.action) == (11, Verdict.ANOMALY, "none")
+    assert (event.step, event.verdict, event.action) == (11, Diagnosis.ANOMALY, "none")
     assert "loss_spike@10" in event.mechanism

@@ -1,6 +1,7 @@
 """SDCVerification in a Lightning fit (one CPU process): no false positives on a clean run, a corrupt gradient is
 recomputed in place (final weights bitwise equal to a clean run), a faulty device stops the fit with a verified
-rollback step, and a fresh fit resumed there ends bitwise equal to the clean run."""
+rollback step and exit code SDC, and the next attempt — same config, automatic resume — restores at most the
+verified step, deletes the suspect ones and ends bitwise equal to the clean run."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
-from lightning_resilience import LocalTier, MemoryTier, TieredCheckpoint
+from lightning_resilience import DecidedExit, ExitCode, LocalTier, MemoryTier, TieredCheckpoint
+from lightning_resilience.config.policy import PolicyConfig
 from lightning_resilience.config.sdc import SDCConfig
+from lightning_resilience.lightning.callbacks.policy import ResiliencePolicy
 from lightning_resilience.lightning.callbacks.sdc import VERDICT_FILE, SDCVerification
 from lightning_resilience.lightning.callbacks.sdc_inject import BitFlipInjection
+from lightning_resilience.lightning.coordination import RESTORE_BOUND_FILE, Suite
 from lightning_resilience.sdc.inject import FlipSpec
-from lightning_resilience.sdc.verdict import SDC_EXIT_CODE, SilentDataCorruptionError, Verdict
+from lightning_resilience.sdc.verdict import Diagnosis
 from tests.lightning._training import assert_bitwise_equal, build, trainer, weights
 
 pytestmark = pytest.mark.timeout(120)
@@ -56,7 +60,7 @@ def test_corrupt_gradient_is_recomputed_in_place(clean: dict[str, torch.Tensor],
     assert_bitwise_equal(_fit([sdc, inject]), clean)
     assert len(inject.records) == 1
     [event] = sdc.events
-    assert (event.step, event.verdict, event.suspects, event.action) == (6, Verdict.TRANSIENT, [0], "recomputed")
+    assert (event.step, event.verdict, event.suspects, event.action) == (6, Diagnosis.TRANSIENT, [0], "recomputed")
     assert sdc.stats.recomputed == 1 and not sdc.stopped
 
 
@@ -67,55 +71,81 @@ def test_guard_triggers_replay_between_cadence_steps(clean: dict[str, torch.Tens
     inject = BitFlipInjection([FlipSpec("grad", step=7, bit_class="exponent", bit=30, seed=2)])
     assert_bitwise_equal(_fit([sdc, inject]), clean)
     [event] = sdc.events
-    assert event.verdict is Verdict.TRANSIENT and event.action == "recomputed" and "guard" in event.mechanism
+    assert event.verdict is Diagnosis.TRANSIENT and event.action == "recomputed" and "guard" in event.mechanism
 
 
 def test_nonfinite_gradient_read_late_stops_with_verified_rollback(
     tmp_path: Path, clean: dict[str, torch.Tensor]
 ) -> None:
     # the default read lag: the guard values of step 7 reach the host at step 8, after that update was applied; a
-    # non-finite update cannot be fixed in place, so the fit stops and names the newest verified committed step
+    # non-finite update cannot be fixed in place, so the fit stops (exit code SDC) naming the newest verified step
     tiers = [MemoryTier(every_n_steps=1, keep=2), LocalTier(tmp_path / "ckpt", every_n_steps=3, keep=4)]
-    config = SDCConfig(replay_every_n_steps=3, guard_min_history=4, rollback_tiers=["local"])
+    config = SDCConfig(replay_every_n_steps=3, guard_min_history=4, rollback_tiers=["local"], run_dir=str(tmp_path))
     sdc, ckpt = SDCVerification(config), TieredCheckpoint(tiers, resume="never")
     inject = BitFlipInjection([FlipSpec("grad", step=7, bit_class="exponent", bit=30, seed=2)])
     model, data = build()
-    trainer(STEPS, [sdc, ckpt, inject, _SettlePersists(3)]).fit(model, datamodule=data)
-    assert sdc.stopped and sdc.rollback_step == 6
+    with pytest.raises(DecidedExit) as ended:
+        trainer(STEPS, [sdc, ckpt, inject, _SettlePersists(3)]).fit(model, datamodule=data)
+    assert ended.value.code == ExitCode.SDC and sdc.stopped and sdc.rollback_step == 6
     nonfinite = [e for e in sdc.events if e.mechanism == "guard:nonfinite"]
     assert [(e.step, e.action) for e in nonfinite] == [(9, "rollback")]
     assert sdc.stats.guard_fired.get("nonfinite_grad") == 1
-    resumed = _fit([SDCVerification(SDCConfig(replay_every_n_steps=3)), TieredCheckpoint(tiers, resume=6)])
+    # the restart: same config, automatic resume, restores the verified step
+    again = TieredCheckpoint(
+        [MemoryTier(every_n_steps=1, keep=2), LocalTier(tmp_path / "ckpt", every_n_steps=3, keep=4)]
+    )
+    resumed = _fit([SDCVerification(config), again])
+    assert again.stats.restored_step == 6
     assert_bitwise_equal(resumed, clean)
 
 
-def test_faulty_device_stops_with_verified_rollback_then_resume_matches_clean(
-    tmp_path: Path, clean: dict[str, torch.Tensor]
+def _tiers(root: Path) -> list:
+    # every step on disk: the corrupt steps before the detection are committed too (the restart must skip them)
+    return [MemoryTier(every_n_steps=1, keep=2), LocalTier(root / "ckpt", every_n_steps=1, keep=12)]
+
+
+@pytest.mark.parametrize("mapping", ["rollback", "alert"])
+def test_faulty_device_ends_with_sdc_code_and_the_restart_restores_the_verified_step(
+    tmp_path: Path, clean: dict[str, torch.Tensor], mapping: str
 ) -> None:
-    tiers = [MemoryTier(every_n_steps=1, keep=2), LocalTier(tmp_path / "ckpt", every_n_steps=3, keep=4)]
+    """Whatever the policy does about it (stop, or only alert and train on), a corrupt state ends the process with
+    ExitCode.SDC, and the next attempt never restores a step newer than the verified one."""
     config = SDCConfig(replay_every_n_steps=3, run_dir=str(tmp_path / "run"), rollback_tiers=["local"])
-    sdc, ckpt = SDCVerification(config), TieredCheckpoint(tiers, resume="never")
+    policy = ResiliencePolicy(PolicyConfig(sdc_mismatch=mapping))
+    sdc, ckpt = SDCVerification(config), TieredCheckpoint(_tiers(tmp_path))
     # from step 7 on, every gradient of one weight is corrupted (fresh element each time): no replay agrees
     model, data = build()
     faulty = _FaultyFrom(7, BitFlipInjection(faulty_rank=0, faulty_every_k=1, faulty_target="blocks.0.mlp.fc.weight"))
-    trainer(STEPS, [sdc, ckpt, faulty, _SettlePersists(3)]).fit(model, datamodule=data)
-    assert sdc.stopped and sdc.rollback_step == 6
-    event = sdc.events[-1]
-    assert event.step == 9 and event.verdict is Verdict.UNRESOLVED and event.suspects == [0]
+    with pytest.raises(DecidedExit) as ended:
+        trainer(STEPS, [sdc, ckpt, faulty, _SettlePersists(1), policy]).fit(model, datamodule=data)
+    assert ended.value.code == ExitCode.SDC == 84
+    assert sdc.rollback_step == 6 and sdc.stopped == (mapping == "rollback")
+    event = next(e for e in sdc.events if e.verdict is not Diagnosis.CLEAN)
+    assert event.step == 9 and event.verdict is Diagnosis.UNRESOLVED and event.suspects == [0]
     verdict = json.loads((tmp_path / "run" / VERDICT_FILE).read_text())
-    assert verdict["rollback_step"] == 6 and verdict["suspects"][0]["rank"] == 0 and verdict["exit_code"] is None
-    # the driver's restart: a fresh fit resumed at the verified step, on a healthy device
-    resumed = _fit([SDCVerification(SDCConfig(replay_every_n_steps=3)), TieredCheckpoint(tiers, resume=6)])
+    assert verdict["rollback_step"] == 6 and verdict["suspects"][0]["rank"] == 0 and verdict["exit_code"] == 84
+    bound = json.loads((tmp_path / "run" / RESTORE_BOUND_FILE).read_text())
+    assert bound["max_step"] == 6 and bound["detected_at"] == 9
+    on_disk = ckpt.tiers[1].list_steps()
+    assert {7, 8} <= set(on_disk) and 9 not in on_disk  # suspect steps committed before the detection, none after
+    # the launcher's restart: a new process, the same config, automatic resume, a healthy device
+    again = TieredCheckpoint(_tiers(tmp_path))
+    resumed = _fit([SDCVerification(config), again])
+    assert again.stats.restored_step == 6 and again.discarded_suspect == [s for s in on_disk if s > 6]
+    assert not (tmp_path / "run" / RESTORE_BOUND_FILE).exists()  # lifted once the suspect steps are gone
     assert_bitwise_equal(resumed, clean)
 
 
-def test_stop_on_suspect_raises_with_exit_code(tmp_path: Path) -> None:
+def test_stop_on_suspect_stops_even_where_the_policy_would_only_alert(tmp_path: Path) -> None:
     config = SDCConfig(replay_every_n_steps=2, run_dir=str(tmp_path), stop_on_suspect=True)
     inject = BitFlipInjection(faulty_rank=0, faulty_every_k=1, faulty_target="blocks.0.mlp.fc.weight")
-    with pytest.raises(SilentDataCorruptionError) as info:
-        _fit([SDCVerification(config), inject])
-    assert info.value.exit_code == SDC_EXIT_CODE and info.value.suspects == [0]
-    assert json.loads((tmp_path / VERDICT_FILE).read_text())["exit_code"] == SDC_EXIT_CODE
+    sdc = SDCVerification(config)
+    model, data = build()
+    fit = trainer(STEPS, [sdc, inject, ResiliencePolicy(PolicyConfig(sdc_mismatch="log"))])
+    with pytest.raises(DecidedExit) as ended:
+        fit.fit(model, datamodule=data)
+    assert ended.value.code == ExitCode.SDC and sdc.stopped and fit.global_step < STEPS
+    assert json.loads((tmp_path / VERDICT_FILE).read_text())["exit_code"] == ExitCode.SDC
 
 
 def test_callbacks_pickle_for_spawn() -> None:
@@ -134,9 +164,9 @@ class _SettlePersists(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:  # type: ignore[no-untyped-def]
         if (trainer.global_step + 1) % self.every_n_steps == 0:
-            for cb in trainer.callbacks:
-                if isinstance(cb, TieredCheckpoint):
-                    assert cb.manager is not None and cb.manager.wait(timedelta(seconds=30)), "persist too slow"
+            checkpoint = Suite.of(trainer).checkpoint
+            assert checkpoint is not None and checkpoint.manager is not None
+            assert checkpoint.manager.wait(timedelta(seconds=30)), "persist too slow"
 
 
 class _FaultyFrom(BitFlipInjection):

@@ -11,7 +11,7 @@ from lightning_resilience.sdc.fingerprint import BitwiseDigest
 from lightning_resilience.sdc.inject import BitFlipInjector, FlipSpec
 from lightning_resilience.sdc.monitor import SDCMonitor
 from lightning_resilience.sdc.replay import capture_rng, rng_as
-from lightning_resilience.sdc.verdict import Verdict
+from lightning_resilience.sdc.verdict import Diagnosis
 from tests.sdc._loop import batches, make_model
 
 pytestmark = [
@@ -68,6 +68,6 @@ def test_cuda_gradient_flip_is_fixed_in_place(monkeypatch: pytest.MonkeyPatch) -
     clean, monitor = _train([])
     assert monitor.events == []
     flipped, monitor = _train([FlipSpec("grad", step=2, bit_class="exponent", seed=1)])
-    assert [(e.verdict, e.action) for e in monitor.events] == [(Verdict.TRANSIENT, "recomputed")]
+    assert [(e.verdict, e.action) for e in monitor.events] == [(Diagnosis.TRANSIENT, "recomputed")]
     for k in clean:
         assert torch.equal(flipped[k], clean[k]), k

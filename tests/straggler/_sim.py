@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_resilience.straggler import WAIT, Decision, StragglerDetector, Verdict
+from lightning_resilience.straggler import WAIT, Escalation, StragglerDetector, StragglerFinding
 from lightning_resilience.straggler.config import StragglerConfig
 
 
@@ -87,7 +87,7 @@ class Cluster:
             )
             for r in range(world)
         ]
-        self.decisions: list[list[tuple[int, Decision]]] = [[] for _ in range(world)]
+        self.decisions: list[list[tuple[int, Escalation]]] = [[] for _ in range(world)]
         self.step = 0
 
     def run(self, steps: int, cost: CostFn, *, section: str | None = None, data: CostFn | None = None) -> None:
@@ -119,5 +119,5 @@ class Cluster:
             self.step += 1
 
     @property
-    def verdicts(self) -> list[Verdict]:
+    def verdicts(self) -> list[StragglerFinding]:
         return self.detectors[0].verdicts

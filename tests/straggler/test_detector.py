@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_resilience.straggler import Action, StragglerDetector, StragglerGatherError, Verdict
+from lightning_resilience.policy import Action
+from lightning_resilience.straggler import StragglerDetector, StragglerFinding, StragglerGatherError
 from lightning_resilience.straggler.config import StragglerConfig, StragglerLevelConfig
 from tests.straggler._sim import Cluster, FakeClock, jitter_cost
 
@@ -63,7 +64,7 @@ def test_every_rank_takes_the_same_decisions_and_stop_reaches_all() -> None:
     per_rank = [[(s, d.to_dict()) for s, d in decisions] for decisions in cluster.decisions]
     assert all(p == per_rank[0] for p in per_rank)
     actions = [(s, d.action) for s, d in cluster.decisions[0]]
-    assert [a for _, a in actions] == [Action.LOG, Action.ALERT, Action.STOP]
+    assert [a for _, a in actions] == [Action.LOG, Action.ALERT, Action.CHECKPOINT_AND_STOP]
     stop_step = actions[-1][0]
     assert 50 + 5 <= stop_step <= 50 + 4 + 6
     assert all(det.should_stop for det in cluster.detectors)
@@ -85,7 +86,7 @@ def test_user_section_names_the_rank_when_the_step_is_equalised() -> None:
 
 
 def test_exclude_hook_is_called_on_every_rank() -> None:
-    calls: list[tuple[int, Verdict]] = []
+    calls: list[tuple[int, StragglerFinding]] = []
     levels = [StragglerLevelConfig(action="exclude", slowdown=1.2, persist_steps=3)]
     with pytest.raises(ValueError, match="no exclude_hook"):
         StragglerDetector(StragglerConfig(levels=levels))

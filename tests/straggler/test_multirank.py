@@ -84,7 +84,7 @@ def test_slow_rank_named_within_bound_and_stop_reaches_every_rank(tmp_path: Path
     assert all(v["rank"] == slow for v in first["verdicts"])
     # one collective decision: identical on every rank, and every rank stopped at the same step
     assert all(r["decisions"] == first["decisions"] for r in results)
-    assert first["decisions"][-1]["action"] == "stop"
+    assert first["decisions"][-1]["action"] == "checkpoint_and_stop"
     assert {r["stopped_at"] for r in results} == {first["decisions"][-1]["step"]}
 
 

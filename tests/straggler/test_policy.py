@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from lightning_resilience.policy import Action
 from lightning_resilience.straggler.config import StragglerLevelConfig
-from lightning_resilience.straggler.policy import Action, ActionLadder, Verdict
+from lightning_resilience.straggler.policy import ActionLadder, StragglerFinding
 
 
-def _verdict(step: int, rank: int = 3, slowdown: float = 1.3) -> Verdict:
-    return Verdict(
+def _verdict(step: int, rank: int = 3, slowdown: float = 1.3) -> StragglerFinding:
+    return StragglerFinding(
         rank=rank,
         node="n1",
         node_index=1,
@@ -38,7 +39,7 @@ def test_levels_fire_by_threshold_and_persistence_once_each() -> None:
     ladder = ActionLadder(LEVELS)
     ladder.start(_verdict(10))
     fired = _run(ladder, 10, [1.3, 1.3, 1.3, 1.6, 1.6, 1.6, 1.6, 1.6, 1.6])
-    assert fired == [(10, Action.LOG), (12, Action.ALERT), (16, Action.STOP)]
+    assert fired == [(10, Action.LOG), (12, Action.ALERT), (16, Action.CHECKPOINT_AND_STOP)]
 
 
 def test_a_dip_below_a_threshold_resets_its_count() -> None:
@@ -52,7 +53,7 @@ def test_cadence_counts_training_steps_not_samples() -> None:
     ladder = ActionLadder(LEVELS)
     ladder.start(_verdict(10), previous_step=5)  # one sample every 5 steps
     fired = _run(ladder, 10, [1.6], every=5)
-    assert fired == [(10, Action.LOG), (10, Action.ALERT), (10, Action.STOP)]
+    assert fired == [(10, Action.LOG), (10, Action.ALERT), (10, Action.CHECKPOINT_AND_STOP)]
 
 
 def test_nothing_without_an_episode_and_a_new_episode_fires_again() -> None:

@@ -14,24 +14,19 @@ from typing_extensions import override
 
 from lightning_resilience.checkpoint.manager import CheckpointStats
 from lightning_resilience.checkpoint.memory import MemoryTier
+from lightning_resilience.exit_codes import DecidedExit
 from lightning_resilience.ft.config import FaultToleranceConfig
 from lightning_resilience.ft.ettr import EttrLedger, EttrReport
 from lightning_resilience.ft.heartbeat import RankMonitorBridge, connect_rank_monitor
-from lightning_resilience.ft.preemption import PREEMPT_EXIT_CODE, PreemptionNotice, connect_store
+from lightning_resilience.ft.preemption import PreemptionNotice, connect_store
 from lightning_resilience.ft.rendezvous import restart_hazard
 from lightning_resilience.ft.restart import Attempt, FaultNote, current_attempt, write_fault_note
-from lightning_resilience.ft.watchdog import (
-    HANG_EXIT_CODE,
-    OUT_OF_SECTION,
-    Hang,
-    HangHandler,
-    TimeoutCalibrator,
-    Watchdog,
-)
+from lightning_resilience.ft.watchdog import OUT_OF_SECTION, Hang, HangHandler, TimeoutCalibrator, Watchdog
 from lightning_resilience.lightning._metrics import log_host_metrics, logging_step
-from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
+from lightning_resilience.lightning.coordination import Suite
+from lightning_resilience.policy import Action, Event, Verdict
 
-__all__ = ["HANG_EXIT_CODE", "PREEMPT_EXIT_CODE", "FaultTolerance"]
+__all__ = ["FaultTolerance"]
 
 log = logging.getLogger(__name__)
 
@@ -44,26 +39,28 @@ class FaultTolerance(Callback):
     * A watchdog thread per rank times the sections ``setup``, ``step`` (batch start to batch end: forward,
       backward, optimizer), ``out_of_section`` (between steps), ``validation`` and ``checkpointing``. Timeouts are
       calibrated from the run's own timings and travel with the checkpoint, so a restart starts calibrated. On a
-      hang the rank dumps all its threads' stacks to ``<run_dir>/stacks/`` and exits with :data:`HANG_EXIT_CODE`.
+      hang the rank dumps all its threads' stacks to ``<run_dir>/stacks/`` and, when the policy says
+      ``hang: dump_and_exit`` (the default) and ``exit_on_hang`` is on, exits with ``ExitCode.HANG``.
     * Under NVRx's ``ft_launcher`` the same sections and a heartbeat per step go to its rank monitor too.
-    * A preemption signal on any rank stops every rank at one agreed step boundary; the newest RAM snapshot is
-      saved by :class:`TieredCheckpoint` and :attr:`exit_code` becomes :data:`PREEMPT_EXIT_CODE`.
+    * A preemption signal on any rank is agreed by every rank at one step boundary and posted to the suite's
+      policy: by default (``preemption: emergency_save_and_exit``) the newest state is saved by
+      :class:`TieredCheckpoint`, the fit stops, and the process ends with ``ExitCode.PREEMPTED``.
     * Rank 0 keeps a ledger of attempts and faults in ``<run_dir>/ft_ledger.json`` (ETTR, restart gaps,
       recomputation, checkpoint blocking).
 
-    Put it before :class:`TieredCheckpoint` in ``callbacks`` so the final checkpoint flush is timed as
-    ``checkpointing``. After ``fit`` returns, end the process with :attr:`exit_code` (never from a hook)::
+    The order of the callbacks does not matter, and no user code is needed to exit with the code::
 
-        ft = FaultTolerance(FaultToleranceConfig(run_dir="/shared/run-17"))
-        trainer = Trainer(callbacks=[ft, TieredCheckpoint(tiers)], ...)
-        trainer.fit(model, datamodule=data)
-        sys.exit(ft.exit_code)
+        trainer = Trainer(callbacks=[FaultTolerance(FaultToleranceConfig(run_dir="/shared/run-17")),
+                                     TieredCheckpoint(tiers)], ...)
+        trainer.fit(model, datamodule=data)  # ends the process with ExitCode.PREEMPTED after a notice
 
     Args:
         config: timeouts, signals, NVRx mode and the run directory.
         on_hang: replaces the default hang handler (stack dump, fault note, exit); runs on the watchdog thread.
         clock: monotonic seconds for the watchdog, injectable for tests.
     """
+
+    report_section = "fault_tolerance"
 
     def __init__(
         self,
@@ -87,6 +84,8 @@ class FaultTolerance(Callback):
         self.emergency_saved: int | None = None
         self.exception: str | None = None
         self._nvrx_state: dict[str, Any] = {}
+        self._suite: Suite | None = None
+        self._hang_handler: HangHandler | None = None
         self._started_training = False
         self._last_step = -1
         self._boundaries = 0
@@ -94,7 +93,7 @@ class FaultTolerance(Callback):
     def __getstate__(self) -> dict[str, Any]:
         # spawn launchers pickle callbacks: threads, sockets, stores and open files are per process
         state = self.__dict__.copy()
-        state.update(watchdog=None, monitor=None, preemption=None, ledger=None)
+        state.update(watchdog=None, monitor=None, preemption=None, ledger=None, _suite=None, _hang_handler=None)
         return state
 
     def _new_calibrator(self) -> TimeoutCalibrator:
@@ -111,8 +110,13 @@ class FaultTolerance(Callback):
 
     @property
     def exit_code(self) -> int:
-        """The status to end the process with once ``fit`` has returned: PREEMPT_EXIT_CODE after a notice, else 0."""
-        return PREEMPT_EXIT_CODE if self.preempted_at is not None else 0
+        """The code the suite ends the process with (``ExitCode.PREEMPTED`` after a handled notice; 0 if none)."""
+        return int(self._suite.exit_code) if self._suite is not None else 0
+
+    @property
+    def _stopped_for_preemption(self) -> bool:
+        decision = self._suite.decision if self._suite is not None else None
+        return decision is not None and decision.event is Event.PREEMPTION
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -129,13 +133,16 @@ class FaultTolerance(Callback):
         hazard = restart_hazard() if self.attempt.restart_count == 0 and trainer.world_size > 1 else None
         if hazard and trainer.is_global_zero:  # said before training, not after the first restart hangs
             log.warning(hazard)
-        on_hang = self._on_hang or HangHandler(
+        self._suite = Suite.of(trainer)
+        self._suite.attach_fault_tolerance(self)
+        self._hang_handler = HangHandler(
             self.run_dir,
             trainer.global_rank,
             self.attempt.restart_count,
             dump=cfg.dump_stacks,
             exit=cfg.exit_on_hang,
         )
+        on_hang = self._on_hang or self._hang_handler
         self.watchdog = Watchdog(self.calibrator, on_hang, clock=self._clock)
         self.watchdog.switch("setup", trainer.global_step)
         self.watchdog.start()
@@ -161,6 +168,13 @@ class FaultTolerance(Callback):
             )
 
     @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # every member has attached by now: the policy's mapping is known
+        if self._suite is not None and self._hang_handler is not None:
+            exits = self._suite.action_for(Event.HANG) is Action.DUMP_AND_EXIT
+            self._hang_handler.exit = self.config.exit_on_hang and exits
+
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # installed here, after the Trainer registered its own handlers: Lightning's SIGTERM handler runs a
         # collective from inside the signal handler on the signalled rank only, which would deadlock the others
@@ -175,7 +189,7 @@ class FaultTolerance(Callback):
         if not self._started_training:
             self._started_training = True
             if self.ledger is not None:
-                stats = self._checkpoint_stats(trainer)
+                stats = self._checkpoint_stats()
                 restored = stats is not None and stats.restored_step is not None
                 self.ledger.first_step(
                     step,
@@ -193,6 +207,11 @@ class FaultTolerance(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._batch_end(trainer, pl_module)
+        if self._suite is not None:
+            self._suite.step_end(self, trainer, pl_module)
+
+    def _batch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.watchdog is None:
             return
         step = trainer.global_step
@@ -210,11 +229,12 @@ class FaultTolerance(Callback):
         self._boundaries += 1
         if self.monitor is not None and not self.monitor.calibrated and self._boundaries > self.config.warmup_steps:
             self.monitor.calibrate()  # collective inside NVRx: every rank reaches this same step
-        assert self.preemption is not None
+        assert self.preemption is not None and self._suite is not None
         if self.preempted_at is None and self.preemption.should_stop(step):
-            self.preempted_at = step
-            trainer.should_stop = True
-            log.warning("rank %d: stopping after step %d on a preemption notice", trainer.global_rank, step)
+            self.preempted_at = step  # agreed by every rank: the policy decides at this same boundary
+            detail = f"preemption notice{' on this rank' if self.preemption.received else ''}, agreed at step {step}"
+            action = self._suite.post(trainer, Verdict(Event.PREEMPTION, step, trainer.global_rank, detail, "ft"))
+            log.warning("rank %d: %s -> %s", trainer.global_rank, detail, action.value)
         if logging_step(trainer):
             log_host_metrics(trainer, self._metrics())
 
@@ -239,14 +259,12 @@ class FaultTolerance(Callback):
             self.monitor.start_section("checkpointing")
         if self.ledger is not None:
             self.ledger.save()  # the last step is on disk for the end-of-run report (heartbeat writes are throttled)
-        if self.preempted_at is None:
+        if self.preempted_at is None or not self._stopped_for_preemption:
             return
-        tiered = next((c for c in trainer.callbacks if isinstance(c, TieredCheckpoint)), None)  # type: ignore[attr-defined]
-        if tiered is None:
+        assert self._suite is not None
+        self.emergency_saved = self._suite.emergency_saved  # saved by the suite when it decided
+        if self._suite.checkpoint is None:
             log.error("preemption notice handled without a TieredCheckpoint: nothing saved")
-        else:
-            # every rank is here at the same step boundary, so the save may be collective
-            self.emergency_saved = tiered.emergency_save(collective=True)
         assert self.preemption is not None and self.attempt is not None and self.run_dir is not None
         note = FaultNote(
             kind="preemption",
@@ -265,6 +283,8 @@ class FaultTolerance(Callback):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, DecidedExit):
+            return  # the end of a fit the suite stopped: recorded and closed in teardown
         self.exception = f"{type(exception).__name__}: {exception}"
         section = self.watchdog.section if self.watchdog is not None else None
         # Lightning runs no teardown hook after an exception: stop here. The emergency save that follows
@@ -297,6 +317,8 @@ class FaultTolerance(Callback):
         if self.ledger is not None and self.ledger.current is not None and self.ledger.current.end_reason is None:
             self.ledger.heartbeat(trainer.global_step, checkpoint_blocking_s=self._checkpoint_blocking(trainer))
             self.ledger.end_attempt("finished")
+        if self._suite is not None:
+            self._suite.fit_end(self, trainer)
 
     def _shutdown(self) -> None:
         if self.watchdog is not None:
@@ -325,29 +347,21 @@ class FaultTolerance(Callback):
             self.watchdog.poke()  # the open section (setup) is now judged by the loaded timeout
 
     # ------------------------------------------------------------------ report
-    @staticmethod
-    def _checkpoint_stats(trainer: Trainer) -> CheckpointStats | None:
-        for cb in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(cb, TieredCheckpoint) and cb.manager is not None:
-                return cb.manager.stats
-        return None
+    def _checkpoint_stats(self) -> CheckpointStats | None:
+        checkpoint = self._suite.checkpoint if self._suite is not None else None
+        return checkpoint.manager.stats if checkpoint is not None and checkpoint.manager is not None else None
 
     def _checkpoint_blocking(self, trainer: Trainer) -> float | None:
-        stats = self._checkpoint_stats(trainer)
+        stats = self._checkpoint_stats()
         return float(stats.capture_seconds) if stats is not None else None
 
-    @staticmethod
-    def _persisted(trainer: Trainer) -> dict[str, int | None]:
+    def _persisted(self, trainer: Trainer) -> dict[str, int | None]:
         """The newest committed step of each persistent (non-RAM) checkpoint tier."""
-        for cb in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(cb, TieredCheckpoint) and cb.manager is not None:
-                stats = cb.manager.stats.tiers
-                return {
-                    t.name: stats[t.name].last_step
-                    for t in cb.manager.tiers
-                    if not isinstance(t, MemoryTier) and t.name in stats
-                }
-        return {}
+        checkpoint = self._suite.checkpoint if self._suite is not None else None
+        if checkpoint is None or checkpoint.manager is None:
+            return {}
+        stats = checkpoint.manager.stats.tiers
+        return {t.name: stats[t.name].last_step for t in checkpoint.manager.tiers if not isinstance(t, MemoryTier)}
 
     def ettr(self) -> EttrReport | None:
         """Time accounting so far (global rank 0 only; None elsewhere)."""

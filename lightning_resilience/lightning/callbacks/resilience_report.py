@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -14,7 +13,8 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
+from lightning_resilience.exit_codes import DecidedExit
+from lightning_resilience.lightning.coordination import Reporting, Suite
 from lightning_resilience.report import ResilienceReport, assemble, checkpoint_section, write_report
 
 __all__ = ["ResilienceReportCallback"]
@@ -24,26 +24,16 @@ log = logging.getLogger(__name__)
 _STEP_CAP = 100_000  # step intervals kept for the median (a long run keeps its newest)
 
 
-def section_name(callback: object) -> str:
-    """``report_section`` of the callback, else its class name in snake case (``FaultTolerance`` ->
-    ``fault_tolerance``, ``SDCVerification`` -> ``sdc_verification``)."""
-    name = getattr(callback, "report_section", None)
-    if isinstance(name, str) and name:
-        return name
-    cls = type(callback).__name__
-    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", cls).lower()
-
-
 class ResilienceReportCallback(Callback):
     """Collect the figures of every resilience callback at the end of ``fit`` into ``resilience_report.json``.
 
-    On global rank 0, when ``fit`` ends or raises, every callback on ``trainer.callbacks`` with a ``report()``
-    method contributes a section (named by its ``report_section`` attribute, or its class name in snake case) and
-    its ``summary()``; :class:`TieredCheckpoint` contributes the ``checkpoint`` section from its engine's counters.
+    On global rank 0, when ``fit`` ends or raises, every member of the Trainer's suite contributes a section (its
+    ``report_section``) and its ``summary()``; the suite adds its policy's decisions and exit code
+    (``resilience_policy``) and :class:`TieredCheckpoint` the ``checkpoint`` section from its engine's counters.
     This callback adds a ``run`` section (median optimizer step time with checkpoint blocking taken out, world
     size, how fit ended). The report goes to ``<run_dir>/resilience_report.json`` in the schema that
     ``lightning-resilience simulate --from-run <run_dir>`` reads; the table is printed and PNGs are drawn when
-    matplotlib is installed. Put it last in ``callbacks`` so the others have settled their figures first.
+    matplotlib is installed. It collects at ``on_fit_end``, after every other callback's ``on_train_end``.
 
     Example::
 
@@ -76,6 +66,12 @@ class ResilienceReportCallback(Callback):
         self._mark: tuple[int, float, float, int] | None = None  # step, time, blocking seconds, captures
         self._written = False
         self._window: list[tuple[float, float]] = []  # (step seconds, blocked seconds) since the last logged step
+        self._suite: Suite | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_suite"] = None  # per process, found again in setup
+        return state
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -85,6 +81,8 @@ class ResilienceReportCallback(Callback):
         self.last_report, self.path, self.plot_files = None, None, []
         self._step_seconds, self._timeline, self._mark, self._written = [], [], None, False
         self._window = []
+        self._suite = Suite.of(trainer)
+        self._suite.attach_report(self)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -92,7 +90,7 @@ class ResilienceReportCallback(Callback):
         if self._mark is not None and self._mark[0] == step:
             return  # the next micro-batch of the same optimizer step
         now = self._clock()
-        blocking, captures = _checkpoint_counters(trainer)
+        blocking, captures = self._checkpoint_counters()
         if self._mark is not None:
             _, prev_t, prev_blocking, prev_captures = self._mark
             blocked = max(blocking - prev_blocking, 0.0)
@@ -124,15 +122,39 @@ class ResilienceReportCallback(Callback):
         self._window = []
 
     @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._suite is not None:
+            self._suite.step_end(self, trainer, pl_module)
+
+    @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._finish(trainer, "finished")
+        status = "finished"
+        if self._suite is not None and self._suite.exit_code:
+            status = f"stopped: exit code {int(self._suite.exit_code)} ({self._suite.exit_code.name})"
+        self._finish(trainer, status)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit" and self._suite is not None:
+            self._suite.fit_end(self, trainer)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, DecidedExit):
+            return  # written at on_fit_end
         try:
             self._finish(trainer, f"exception: {type(exception).__name__}: {exception}"[:500])
         except Exception as err:  # the training exception is what the user must see
             log.error("could not write the resilience report: %s", err)
+
+    def _checkpoint_counters(self) -> tuple[float, int]:
+        """Seconds checkpointing has blocked the loop so far, and snapshots taken."""
+        checkpoint = self._suite.checkpoint if self._suite is not None else None
+        if checkpoint is None or checkpoint.manager is None:
+            return 0.0, 0
+        return checkpoint.manager.stats.capture_seconds, checkpoint.manager.stats.captures
 
     # ------------------------------------------------------------------ report
     def _finish(self, trainer: Trainer, status: str) -> None:
@@ -165,31 +187,27 @@ class ResilienceReportCallback(Callback):
         """Assemble the report from the callbacks on ``trainer`` now (any rank; nothing written)."""
         sections: dict[str, dict[str, Any]] = {}
         summaries: dict[str, str] = {}
-        for cb in trainer.callbacks:  # type: ignore[attr-defined]
-            if cb is self:
-                continue
-            if isinstance(cb, TieredCheckpoint):
-                if cb.manager is not None:
-                    sections["checkpoint"] = checkpoint_section(
-                        cb.manager.stats, cb.manager.tiers, restores=cb.restores, blocking_timeline=self._timeline
-                    )
-                    summaries["checkpoint"] = cb.summary()
-                continue
-            report = getattr(cb, "report", None)
-            if not callable(report):
-                continue
-            name = section_name(cb)
+        suite = self._suite or Suite.of(trainer)
+        checkpoint = suite.checkpoint
+        if checkpoint is not None and checkpoint.manager is not None:
+            sections["checkpoint"] = checkpoint_section(
+                checkpoint.manager.stats,
+                checkpoint.manager.tiers,
+                restores=checkpoint.restores,
+                blocking_timeline=self._timeline,
+            )
+            summaries["checkpoint"] = checkpoint.summary()
+        reporters: list[Reporting] = [*suite.reporters, suite]
+        for member in reporters:
+            name = member.report_section
             try:
-                value = report()
-                sections[name] = dict(value) if isinstance(value, dict) else {"value": value}
+                sections[name] = dict(member.report())
             except Exception as err:  # one component's broken report must not lose the others
                 sections[name] = {"error": f"{type(err).__name__}: {err}"}
-            summary = getattr(cb, "summary", None)
-            if callable(summary):
-                try:
-                    summaries[name] = str(summary())
-                except Exception as err:
-                    summaries[name] = f"summary failed: {type(err).__name__}: {err}"
+            try:
+                summaries[name] = str(member.summary())
+            except Exception as err:
+                summaries[name] = f"summary failed: {type(err).__name__}: {err}"
         median = statistics.median(self._step_seconds) if self._step_seconds else None
         sections["run"] = {
             "status": status,
@@ -208,16 +226,6 @@ class ResilienceReportCallback(Callback):
             gpus=trainer.world_size,
             gpus_per_node=trainer.num_devices,
         )
-
-
-def _checkpoint_counters(trainer: Trainer) -> tuple[float, int]:
-    """Seconds checkpointing has blocked the loop so far and snapshots taken, summed over our checkpoint callbacks."""
-    blocking, captures = 0.0, 0
-    for cb in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(cb, TieredCheckpoint) and cb.manager is not None:
-            blocking += cb.manager.stats.capture_seconds
-            captures += cb.manager.stats.captures
-    return blocking, captures
 
 
 def _log_host_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:

@@ -17,13 +17,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_resilience.exit_codes import ExitCode
 from lightning_resilience.lightning._metrics import log_host_metrics, logging_step
-from lightning_resilience.lightning.callbacks.policy import find_policy
-from lightning_resilience.policy import Action as PolicyAction
-from lightning_resilience.policy import Event
+from lightning_resilience.lightning.coordination import Suite
+from lightning_resilience.policy import Action, Event, Verdict
 from lightning_resilience.sdc.config import SDCConfig
 from lightning_resilience.sdc.monitor import SDCMonitor, SDCStats, StepOutcome
-from lightning_resilience.sdc.verdict import SDC_EXIT_CODE, SDCEvent, SilentDataCorruptionError, Verdict
+from lightning_resilience.sdc.verdict import Diagnosis, SDCEvent
 
 __all__ = ["VERDICT_FILE", "SDCVerification"]
 
@@ -33,18 +33,18 @@ VERDICT_FILE = "sdc_verdict.json"
 
 
 class SDCVerification(Callback):
-    """Detect silent data corruption, fix it in place when caught before the optimizer step, otherwise stop the fit
-    and name the step to roll back to.
+    """Detect silent data corruption, fix it in place when caught before the optimizer step, otherwise post a
+    verdict that the state is corrupt, naming the newest verified step to roll back to.
 
     Example::
 
         sdc = SDCVerification(SDCConfig(replay_every_n_steps=100, reconcile_every_n_steps=50, run_dir="runs/17"))
-        ckpt = TieredCheckpoint(tiers)
-        Trainer(callbacks=[sdc, ckpt]).fit(model, data)
-        if sdc.rollback_step is not None:   # corrupt state: start again from the newest verified checkpoint
-            Trainer(callbacks=[SDCVerification(...), TieredCheckpoint(tiers, resume=sdc.rollback_step)]).fit(...)
+        Trainer(callbacks=[sdc, TieredCheckpoint(tiers)]).fit(model, data)
 
-    A :class:`~lightning_resilience.lightning.callbacks.TieredCheckpoint` in the same Trainer gets
+    A corrupt state goes to the suite's policy (``sdc_mismatch``, by default ``rollback``): the fit stops, the
+    process ends with ``ExitCode.SDC`` (never 0, whatever the policy did), and a restore bound in the run directory
+    makes the next attempt restore at most the verified step and delete the newer, suspect ones. A
+    :class:`~lightning_resilience.lightning.callbacks.TieredCheckpoint` in the same Trainer gets
     ``{"sdc_verified": bool}`` in each snapshot's metadata, and its committed steps are the rollback candidates.
     Replays call ``pl_module.training_step`` on the saved batch (its ``self.log`` calls are muted during a replay);
     automatic optimization without gradient accumulation is required.
@@ -52,6 +52,8 @@ class SDCVerification(Callback):
     Args:
         config: what to check, how often, and what to do.
     """
+
+    report_section = "sdc_verification"
 
     def __init__(self, config: SDCConfig | None = None) -> None:
         self.config = config or SDCConfig()
@@ -62,14 +64,14 @@ class SDCVerification(Callback):
         self.stopped = False
         self._batch_idx = 0
         self._handles: list[Any] = []
-        self._pending_error: SilentDataCorruptionError | None = None
+        self._suite: Suite | None = None
         self._trainer: Trainer | None = None
         self._logged_events = 0
 
     def __getstate__(self) -> dict[str, Any]:
         # spawn launchers pickle callbacks: the engine (process group, hooks) is per process and rebuilt in setup
         state = self.__dict__.copy()
-        state.update(monitor=None, _handles=[], _trainer=None)
+        state.update(monitor=None, _handles=[], _trainer=None, _suite=None)
         return state
 
     @property
@@ -89,6 +91,9 @@ class SDCVerification(Callback):
             return
         self.monitor = SDCMonitor(list(pl_module.named_parameters()), [], self.config)
         self.monitor.setup()  # collective over the job's ranks: every rank runs setup
+        self.stopped, self.rollback_step = False, None
+        self._suite = Suite.of(trainer)
+        self._suite.attach_sdc(self)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -120,10 +125,10 @@ class SDCVerification(Callback):
             synced_loss_fn=synced_loss if ddp is not None else None,
             to_device=lambda t: t.to(device),
         )
-        for cb in trainer.callbacks:  # type: ignore[attr-defined]
-            manager = getattr(cb, "manager", None)
-            if manager is not None and hasattr(manager, "add_meta_provider"):
-                manager.add_meta_provider(self.monitor.meta)
+        assert self._suite is not None
+        checkpoint = self._suite.checkpoint
+        if checkpoint is not None and checkpoint.manager is not None:
+            checkpoint.manager.add_meta_provider(self.monitor.meta)
         # runs inside optimizer.step(), so before any on_train_batch_end (a snapshot sees this step's verdict)
         self._handles = [opt.register_step_post_hook(self._after_optimizer_step) for opt in optimizers]
 
@@ -174,9 +179,8 @@ class SDCVerification(Callback):
                 },
             )
         self._logged_events = len(events)
-        if self._pending_error is not None:
-            error, self._pending_error = self._pending_error, None
-            raise error
+        if self._suite is not None:
+            self._suite.step_end(self, trainer, pl_module)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -187,60 +191,45 @@ class SDCVerification(Callback):
         self._handles = []
         if self.monitor is not None:
             self.monitor.close()
+        if self._suite is not None:
+            self._suite.fit_end(self, trainer)
 
     # --------------------------------------------------------------- response
     def _respond(self, trainer: Trainer, outcome: StepOutcome) -> None:
-        assert self.monitor is not None
+        assert self.monitor is not None and self._suite is not None
         if not outcome.needs_rollback:
             return
         # the verdict is the same on every rank (computed from gathered data): so is everything below
-        committed = self._committed_steps(trainer)
-        self.rollback_step = self.monitor.rollback_target(committed)
-        verdicts = {e.verdict for e in outcome.events}
-        policy = find_policy(trainer)
-        if policy is not None:  # one policy decides for every detector (its mapping may only alert)
-            detail = (
-                f"{', '.join(sorted(v.value for v in verdicts))} at step {outcome.step}, suspects {outcome.suspects}"
-            )
-            action = policy.post(
-                Event.SDC_MISMATCH, outcome.step, trainer.global_rank, detail, source="sdc", exit_code=SDC_EXIT_CODE
-            )
-            policy.note_rollback_step(self.rollback_step)
-            self._write_verdict(trainer, outcome, stop=False)
-            if action not in (PolicyAction.ROLLBACK, PolicyAction.CHECKPOINT_AND_STOP):
-                log.error("silent data corruption at step %d (%s): training continues (policy)", outcome.step, detail)
-                return
-            self.stopped = True  # the policy stops the fit at this step's end
-            return
-        self.stopped = True
-        trainer.should_stop = True
-        unfixable_device = bool(verdicts & {Verdict.PERSISTENT, Verdict.UNRESOLVED})
-        stop = self.config.stop_on_suspect and unfixable_device
-        self._write_verdict(trainer, outcome, stop)
+        self.rollback_step = self.monitor.rollback_target(self._committed_steps())
+        diagnoses = {e.verdict for e in outcome.events}
+        unfixable_device = bool(diagnoses & {Diagnosis.PERSISTENT, Diagnosis.UNRESOLVED})
+        detail = (
+            f"{', '.join(sorted(d.value for d in diagnoses))} at step {outcome.step}, suspects {outcome.suspects}; "
+            f"restart from verified step {self.rollback_step}"
+        )
+        verdict = Verdict(
+            Event.SDC_MISMATCH, outcome.step, trainer.global_rank, detail, "sdc", verified_step=self.rollback_step
+        )
+        # stop_on_suspect: a faulty device stops the job even where the policy would only alert
+        at_least = Action.ROLLBACK if self.config.stop_on_suspect and unfixable_device else None
+        action = self._suite.post(trainer, verdict, at_least=at_least)
+        self._write_verdict(trainer, outcome, stop=action.stops)
         log.error(
-            "silent data corruption at step %d (%s), suspects %s: stopping; restart from verified step %s",
-            outcome.step, ", ".join(sorted(v.value for v in verdicts)), outcome.suspects, self.rollback_step,
-        )  # fmt: skip
-        if stop:
-            self._pending_error = SilentDataCorruptionError(
-                f"a device computes wrong results (ranks {outcome.suspects}): exclude it and restart from step "
-                f"{self.rollback_step} (exit code {SDC_EXIT_CODE})",
-                verdict=Verdict.PERSISTENT if Verdict.PERSISTENT in verdicts else Verdict.UNRESOLVED,
-                step=outcome.step,
-                suspects=outcome.suspects,
-                rollback_step=self.rollback_step,
-            )
+            "silent data corruption: %s -> %s (exit code %d at the end of fit)", detail, action.value, ExitCode.SDC
+        )
+        if action.stops:
+            self.stopped = True  # no more checks: the suite stops the fit at this step's end
 
-    def _committed_steps(self, trainer: Trainer) -> list[int]:
+    def _committed_steps(self) -> list[int]:
+        checkpoint = self._suite.checkpoint if self._suite is not None else None
+        if checkpoint is None or checkpoint.manager is None:
+            return []
+        manager = checkpoint.manager
+        manager.wait()  # a persist in flight may be the verified step we want
         steps: set[int] = set()
-        for cb in trainer.callbacks:  # type: ignore[attr-defined]
-            manager = getattr(cb, "manager", None)
-            if manager is None or not hasattr(manager, "steps"):
-                continue
-            manager.wait()  # a persist in flight may be the verified step we want
-            for tier, tier_steps in manager.steps().items():
-                if self.config.rollback_tiers is None or tier in self.config.rollback_tiers:
-                    steps.update(tier_steps)
+        for tier, tier_steps in manager.steps().items():
+            if self.config.rollback_tiers is None or tier in self.config.rollback_tiers:
+                steps.update(tier_steps)
         return sorted(steps)
 
     def _write_verdict(self, trainer: Trainer, outcome: StepOutcome, stop: bool) -> None:
@@ -253,7 +242,8 @@ class SDCVerification(Callback):
             "verdicts": sorted({e.verdict.value for e in outcome.events}),
             "suspects": [{"rank": r, "host": hosts[r] if r < len(hosts) else None} for r in outcome.suspects],
             "rollback_step": self.rollback_step,
-            "exit_code": SDC_EXIT_CODE if stop else None,
+            "exit_code": int(ExitCode.SDC),
+            "stopped": stop,
             "events": [e.to_json() for e in self.monitor.events],
         }
         root = Path(self.config.run_dir)

@@ -15,15 +15,15 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_resilience.lightning._trainer_state import dump_trainer_state
-from lightning_resilience.lightning.callbacks.policy import find_policy
-from lightning_resilience.policy import Event
+from lightning_resilience.exit_codes import ExitCode
+from lightning_resilience.lightning.coordination import Suite
+from lightning_resilience.policy import Action, Decision, Event, Verdict
 from lightning_resilience.straggler.config import StragglerConfig
 from lightning_resilience.straggler.detector import StragglerDetector
-from lightning_resilience.straggler.policy import STRAGGLER_EXIT_CODE, Action, Decision, Verdict
+from lightning_resilience.straggler.policy import Escalation, StragglerFinding
 from lightning_resilience.straggler.timing import BACKWARD, FORWARD, OPTIMIZER
 
-__all__ = ["STRAGGLER_EXIT_CODE", "StragglerDetection"]
+__all__ = ["StragglerDetection"]
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +47,12 @@ class StragglerDetection(Callback):
             StragglerLevelConfig(action="alert", slowdown=1.2, persist_steps=5),
             StragglerLevelConfig(action="stop", slowdown=1.5, persist_steps=50)]))
         trainer = Trainer(callbacks=[TieredCheckpoint(tiers=...), detector])
-        trainer.fit(model)
-        sys.exit(detector.exit_code or 0)  # STRAGGLER_EXIT_CODE after a 'stop' decision: restart without the node
+        trainer.fit(model)  # after a 'stop': ends the process with ExitCode.STRAGGLER (restart without the node)
 
-    On a 'stop' decision every rank (they all decide at the same step, from the same gathered timings) persists the
-    current step through the ``TieredCheckpoint`` among the trainer's callbacks, if any, then sets
-    ``trainer.should_stop`` and records :data:`STRAGGLER_EXIT_CODE` in ``exit_code``.
+    A 'stop' level posts a straggler verdict to the suite's policy (every rank at the same step, from the same
+    gathered timings). With the default mapping (``straggler: checkpoint_and_stop``) the suite persists the current
+    step through the Trainer's ``TieredCheckpoint``, if any, stops the fit and ends the process with
+    ``ExitCode.STRAGGLER``; ``straggler: alert`` only alerts.
 
     Metrics go to the trainer's loggers every ``log_every_n_steps`` steps and whenever a decision is taken, from
     values already on the host (no device tensor is made or read for them); ``last_metrics`` holds the latest ones.
@@ -66,11 +66,13 @@ class StragglerDetection(Callback):
         clock: host clock for the timings (tests inject a fake one; must be picklable under ddp_spawn).
     """
 
+    report_section = "straggler_detection"
+
     def __init__(
         self,
         config: StragglerConfig | None = None,
         *,
-        exclude_hook: Callable[[Verdict], None] | None = None,
+        exclude_hook: Callable[[StragglerFinding], None] | None = None,
         plot_path: str | Path | None = None,
         max_logged_ranks: int = 64,
         log_every_n_steps: int = 50,
@@ -87,10 +89,8 @@ class StragglerDetection(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.clock = clock
         self.detector: StragglerDetector | None = None
-        self.exit_code: int | None = None
+        self._suite: Suite | None = None
         self._posted = False
-        self.stopped_at_step: int | None = None
-        self.checkpointed_at_stop = False
         self.plot_file: Path | None = None
         self._logged_at: int | None = None
         self.last_metrics: dict[str, float] = {}
@@ -100,8 +100,29 @@ class StragglerDetection(Callback):
     def __getstate__(self) -> dict[str, Any]:
         # spawn launchers pickle callbacks: the detector (process group, profiler) is per process, rebuilt in setup
         state = self.__dict__.copy()
-        state["detector"] = None
+        state["detector"], state["_suite"] = None, None
         return state
+
+    @property
+    def _stop(self) -> Decision | None:
+        decision = self._suite.decision if self._suite is not None else None
+        return decision if decision is not None and decision.event is Event.STRAGGLER else None
+
+    @property
+    def exit_code(self) -> int | None:
+        """``ExitCode.STRAGGLER`` once the policy stopped the job for a straggler, else None."""
+        return int(ExitCode.STRAGGLER) if self._stop is not None else None
+
+    @property
+    def stopped_at_step(self) -> int | None:
+        stop = self._stop
+        return stop.step if stop is not None else None
+
+    @property
+    def checkpointed_at_stop(self) -> bool:
+        stop = self._stop
+        saved = self._suite is not None and self._suite.checkpoint is not None
+        return stop is not None and stop.action is Action.CHECKPOINT_AND_STOP and saved
 
     # ------------------------------------------------------------------ user sections
     def section(self, name: str) -> contextlib.AbstractContextManager[None]:
@@ -115,6 +136,9 @@ class StragglerDetection(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self._suite = Suite.of(trainer)
+        self._suite.attach_straggler(self)
+        self._posted = False
         distributed = dist.is_available() and dist.is_initialized() and trainer.world_size > 1
         kwargs: dict[str, Any] = {"clock": self.clock, "exclude_hook": self.exclude_hook}
         if distributed:
@@ -175,29 +199,29 @@ class StragglerDetection(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._batch_end(trainer)
+        if self._suite is not None:
+            self._suite.step_end(self, trainer, pl_module)
+
+    def _batch_end(self, trainer: Trainer) -> None:
         detector = self.detector
-        if detector is None:
+        if detector is None or self._suite is None:
             return
         detector.end(FORWARD)  # manual optimization calls none of the hooks in between: the batch is all forward
         decisions = detector.end_step(trainer.global_step)  # collective at gather steps
         self._maybe_log_metrics(trainer, decisions)
-        if detector.should_stop and self.exit_code is None and not self._posted:
+        if detector.should_stop and not self._posted:
             assert detector.stop_decision is not None
-            policy = find_policy(trainer)
-            if policy is None:
-                self._checkpoint_and_stop(trainer, detector.stop_decision)
-            else:  # one policy decides for every detector (it may only alert, per its mapping)
-                verdict = detector.stop_decision.verdict
-                detail = f"rank {verdict.rank} ({verdict.node}) {verdict.slowdown:.2f}x slower in '{verdict.section}'"
-                policy.post(
-                    Event.STRAGGLER, trainer.global_step, trainer.global_rank, detail, source="straggler",
-                    exit_code=STRAGGLER_EXIT_CODE,
-                )  # fmt: skip
-                self._posted = True
+            # one policy decides for every detector (its mapping may only alert)
+            found = detector.stop_decision.verdict
+            detail = f"rank {found.rank} ({found.node}) {found.slowdown:.2f}x slower in '{found.section}'"
+            verdict = Verdict(Event.STRAGGLER, trainer.global_step, trainer.global_rank, detail, "straggler")
+            self._suite.post(trainer, verdict)
+            self._posted = True
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._close()
+        self._close()  # idempotent: also after the suite's DecidedExit
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -206,30 +230,14 @@ class StragglerDetection(Callback):
         if self.plot_path is not None and self.detector is not None and trainer.is_global_zero:
             self.plot_file = self.detector.plot(self.plot_path)
         self._close()
+        if self._suite is not None:
+            self._suite.fit_end(self, trainer)
 
     def _close(self) -> None:
         if self.detector is not None:
             self.detector.close()
 
-    # ------------------------------------------------------------------ actions
-    def _checkpoint_and_stop(self, trainer: Trainer, decision: Decision) -> None:
-        from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
-
-        step = trainer.global_step
-        callbacks = trainer.callbacks  # type: ignore[attr-defined]
-        ckpt = next((cb for cb in callbacks if isinstance(cb, TieredCheckpoint)), None)
-        if ckpt is not None and ckpt.manager is not None:
-            verdict = decision.verdict
-            meta = {"epoch": trainer.current_epoch, "reason": "straggler", "rank": verdict.rank, "node": verdict.node}
-            ckpt.manager.flush(step, lambda: dump_trainer_state(trainer), meta=meta)  # collective: all ranks are here
-            self.checkpointed_at_stop = True
-        elif trainer.is_global_zero:
-            log.warning("straggler: stopping without a checkpoint (no TieredCheckpoint among the callbacks)")
-        trainer.should_stop = True
-        self.exit_code = STRAGGLER_EXIT_CODE
-        self.stopped_at_step = step
-
-    def _maybe_log_metrics(self, trainer: Trainer, decisions: list[Decision]) -> None:
+    def _maybe_log_metrics(self, trainer: Trainer, decisions: list[Escalation]) -> None:
         """At the trainer's logging cadence (or when something was decided), the latest scores to its loggers."""
         detector = self.detector
         assert detector is not None

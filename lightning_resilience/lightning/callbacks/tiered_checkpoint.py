@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
 
 from lightning_resilience.checkpoint.config import CheckpointConfig
@@ -16,17 +17,22 @@ from lightning_resilience.checkpoint.manager import CheckpointManager, Checkpoin
 from lightning_resilience.checkpoint.rng import capture_rng_states, restore_rng_states
 from lightning_resilience.checkpoint.tier import Tier
 from lightning_resilience.checkpoint.tree import storage_ptr
+from lightning_resilience.exit_codes import DecidedExit
 from lightning_resilience.lightning._metrics import log_host_metrics, logging_step
 from lightning_resilience.lightning._train_data import TrainDataPosition
 from lightning_resilience.lightning._trainer_state import dump_trainer_state, restore_trainer_state
+from lightning_resilience.lightning.coordination import Suite
 
 __all__ = ["TieredCheckpoint"]
 
 log = logging.getLogger(__name__)
 
 
-class TieredCheckpoint(Callback):
+class TieredCheckpoint(Checkpoint):
     """Checkpoint every step to RAM, persist to disk (and beyond) on each tier's cadence, resume automatically.
+
+    A Lightning :class:`~lightning.pytorch.callbacks.Checkpoint`: Lightning runs it after the other callbacks and
+    adds no default ``ModelCheckpoint`` next to it (leave ``enable_checkpointing`` at its default).
 
     Example::
 
@@ -41,15 +47,24 @@ class TieredCheckpoint(Callback):
     Args:
         tiers: where snapshots go (tiers, or their config dataclasses); each has its own ``every_n_steps`` and
             ``keep``.
-        resume: ``"auto"`` (newest step valid on every rank), ``"never"``, or a step number.
-        config: engine behaviour (error policy, timeouts, host buffers); ``resume`` overrides its field.
+        resume: ``"auto"`` (newest step valid on every rank), ``"never"``, or a step number; a shorthand for
+            ``config.resume`` (default: ``config.resume``, itself ``"auto"`` by default). Giving both with different
+            values is an error.
+        config: engine behaviour (error policy, timeouts, host buffers, resume).
+
+    Raises:
+        ValueError: ``resume`` and ``config.resume`` disagree.
     """
 
     def __init__(
-        self, tiers: Sequence[Any], resume: str | int = "auto", config: CheckpointConfig | None = None
+        self, tiers: Sequence[Any], resume: str | int | None = None, config: CheckpointConfig | None = None
     ) -> None:
         base = config or CheckpointConfig()
-        self.config = CheckpointConfig(**{**base.__dict__, "resume": str(resume)})
+        if resume is not None and config is not None and str(resume) != config.resume != "auto":
+            raise ValueError(
+                f"checkpoint.resume={resume!s} conflicts with checkpoint.config.resume={config.resume}: set one"
+            )
+        self.config = CheckpointConfig(**{**base.__dict__, "resume": base.resume if resume is None else str(resume)})
         # a tier's config dataclass (what Hydra builds from ``resilience/checkpoint``) stands for its tier
         self.tiers: list[Tier] = [
             t if isinstance(t, Tier) or not callable(getattr(t, "build", None)) else t.build() for t in tiers
@@ -62,11 +77,15 @@ class TieredCheckpoint(Callback):
         self._blocking_logged = 0.0
         self._captures_logged = 0
         self.restores = 0
+        self.discarded_suspect: list[int] = []
+        """Steps newer than a restore bound (a corrupt state found by SDC), deleted on this rank at restore."""
+        self._suite: Suite | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # spawn launchers pickle callbacks: the engine (threads, locks, buffers) is per process and rebuilt in setup
         state = self.__dict__.copy()
         state["manager"], state["_guards"], state["_data"] = None, [], TrainDataPosition()
+        state["_suite"] = None
         return state
 
     @property
@@ -82,6 +101,8 @@ class TieredCheckpoint(Callback):
             return
         self.manager = CheckpointManager(self.tiers, self.config)
         self.manager.setup()  # collective over the job's ranks: every rank runs setup
+        self._suite = Suite.of(trainer)
+        self._suite.attach_checkpoint(self)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -92,9 +113,19 @@ class TieredCheckpoint(Callback):
             self._guards = [self.manager.guard_optimizer(opt) for opt in trainer.optimizers]
         if self.config.resume == "never" or trainer.ckpt_path is not None:
             return  # an explicit fit(ckpt_path=...) wins over automatic resume
+        assert self._suite is not None
+        bound = self._suite.restore_bound(trainer)  # collective: a corrupt state was found by an earlier attempt
         # sharded strategies rebuild DTensors on their device mesh
         rebuild = getattr(trainer.strategy, "rebuild_dtensor", None)
-        restored = self.manager.restore(self.config.resume_step, rebuild_dtensor=rebuild)
+        max_step = bound.max_step if bound is not None else None
+        if bound is not None:
+            rank_zero_log(
+                trainer, "restoring at most step %d: the state was found corrupt at step %d (%s)",
+                bound.max_step, bound.detected_at, bound.reason,
+            )  # fmt: skip
+        restored = self.manager.restore(self.config.resume_step, max_step=max_step, rebuild_dtensor=rebuild)
+        if bound is not None:
+            self._discard_suspect(trainer, bound.max_step)
         if restored is None:
             rank_zero_log(trainer, "no checkpoint to resume from: starting at step %d", trainer.global_step)
             return
@@ -102,6 +133,21 @@ class TieredCheckpoint(Callback):
         self._last_step = restored.step
         self.restores += 1
         rank_zero_log(trainer, "resumed from step %d (tier %r, %.3fs)", restored.step, restored.tier, restored.seconds)
+
+    def _discard_suspect(self, trainer: Trainer, max_step: int) -> None:
+        """Delete this rank's steps newer than ``max_step`` from every tier, then (all ranks done) the bound."""
+        assert self.manager is not None and self._suite is not None
+        for tier in self.manager.tiers:
+            for step in tier.list_steps():
+                if step > max_step:
+                    tier.delete(step)
+                    self.discarded_suspect.append(step)
+        if self.discarded_suspect:
+            log.warning("deleted suspect steps %s (newer than the verified step %d)", self.discarded_suspect, max_step)
+        trainer.strategy.barrier("lightning_resilience.discard_suspect")
+        if trainer.is_global_zero:
+            self._suite.clear_restore_bound(trainer)
+        trainer.strategy.barrier("lightning_resilience.restore_bound_cleared")
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -116,10 +162,15 @@ class TieredCheckpoint(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._snapshot(trainer, pl_module, batch_idx)
+        if self._suite is not None:
+            self._suite.step_end(self, trainer, pl_module)  # the suite decides here when this is its last member
+
+    def _snapshot(self, trainer: Trainer, pl_module: LightningModule, batch_idx: int) -> None:
         assert self.manager is not None
         step = trainer.global_step
-        if step == self._last_step:  # mid gradient accumulation: no optimizer step, nothing new to keep
-            return
+        if step == self._last_step or self._known_corrupt:
+            return  # mid gradient accumulation, or the state is known corrupt (SDC posted before this hook)
         self._last_step = step
         taken = self.manager.on_step(
             step,
@@ -141,15 +192,28 @@ class TieredCheckpoint(Callback):
             )
             self._captures_logged = 0
 
+    @property
+    def _known_corrupt(self) -> bool:
+        return self._suite is not None and self._suite.corrupt is not None
+
+    def persist_now(self, trainer: Trainer, meta: dict[str, Any] | None = None) -> None:
+        """Collective: persist the current step to every persistent tier and wait (a planned stop)."""
+        assert self.manager is not None
+        step = trainer.global_step
+        self.manager.flush(
+            step, lambda: dump_trainer_state(trainer), meta={"epoch": trainer.current_epoch, **(meta or {})}
+        )
+        self._last_step = step
+
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.manager is not None and self.config.persist_on_train_end:
-            self.manager.flush(
-                trainer.global_step, lambda: dump_trainer_state(trainer), meta={"epoch": trainer.current_epoch}
-            )
+        if self.manager is not None and self.config.persist_on_train_end and not self._known_corrupt:
+            self.persist_now(trainer)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, DecidedExit):
+            return  # the end of a fit the suite stopped: everything was saved and closed in teardown
         if self.manager is not None and self.config.save_on_exception:
             try:
                 saved = self.manager.emergency_save(self.config.emergency_timeout)
@@ -169,6 +233,8 @@ class TieredCheckpoint(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
             self._shutdown()
+            if self._suite is not None:
+                self._suite.fit_end(self, trainer)
 
     def _shutdown(self) -> None:
         self._data.detach()
