@@ -1,4 +1,5 @@
-"""``lightning-resilience run``: run a recipe with Hydra overrides."""
+"""``lightning-resilience run``: run a recipe with Hydra overrides (the installed ``lightning_resilience.recipes``,
+from any directory)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.recipe not in RECIPES:
         print(f"unknown recipe {args.recipe!r}; choose one of {', '.join(RECIPES)}", file=sys.stderr)
         return 2
-    sys.argv = [f"recipes.{args.recipe}", *args.overrides]
-    runpy.run_module(f"recipes.{args.recipe}", run_name="__main__", alter_sys=True)
+    module = f"lightning_resilience.recipes.{args.recipe}"
+    sys.argv = [module, *args.overrides]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0
 
 

@@ -139,6 +139,11 @@ class Suite:
     def attach_report(self, member: Callback) -> None:
         self._join(member, None)
 
+    def add_reporter(self, reporting: Reporting) -> None:
+        """A component of your own contributes a section to the end-of-run report (call it from ``setup``)."""
+        if reporting not in self.reporters:
+            self.reporters.append(reporting)
+
     def _claim(self, role: str, member: Callback) -> None:
         current = getattr(self, role)
         if current is not None and current is not member:

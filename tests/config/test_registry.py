@@ -40,10 +40,10 @@ def test_registration_is_explicit_and_complete() -> None:
 @pytest.mark.parametrize("preset", ["minimal", "default", "full"])
 def test_presets_build_their_callbacks(preset: str) -> None:
     cfg = _compose(f"resilience={preset}")
-    built = build_all(cfg.resilience)  # type: ignore[attr-defined]
+    built = build_all(cfg.resilience, skip=lambda name: name == "run_dir")  # type: ignore[attr-defined]
     assert isinstance(built["checkpoint"], TieredCheckpoint)
-    everything = {"checkpoint", "straggler", "sdc", "ft", "policy"}
-    assert set(built) == ({"checkpoint"} if preset == "minimal" else everything)
+    everything = {"checkpoint", "straggler", "sdc", "ft", "policy", "report"}
+    assert set(built) == ({"checkpoint", "report"} if preset == "minimal" else everything)
     if "ft" in built:
         assert isinstance(built["ft"], FaultTolerance)
         assert built["ft"].config.run_dir == "/tmp/lr-test/resilience"
@@ -51,7 +51,7 @@ def test_presets_build_their_callbacks(preset: str) -> None:
 
 def test_group_choice_overrides_the_preset() -> None:
     cfg = _compose("resilience=minimal", "resilience/checkpoint=tiered", "resilience/ft=watchdog")
-    built = build_all(cfg.resilience)  # type: ignore[attr-defined]
+    built = build_all(cfg.resilience, skip=lambda name: name == "run_dir")  # type: ignore[attr-defined]
     tiers = built["checkpoint"].tiers
     assert [type(t).__name__ for t in tiers] == ["MemoryTier", "PeerTier", "LocalTier"]
     assert isinstance(tiers[0], MemoryTier) and isinstance(tiers[2], LocalTier)
@@ -61,7 +61,7 @@ def test_group_choice_overrides_the_preset() -> None:
 def test_a_bad_value_names_its_full_key() -> None:
     cfg = _compose("resilience.checkpoint.tiers.1.every_n_steps=0")
     with pytest.raises(ResilienceConfigError) as err:
-        build_all(cfg.resilience)  # type: ignore[attr-defined]
+        build_all(cfg.resilience, skip=lambda name: name == "run_dir")  # type: ignore[attr-defined]
     assert str(err.value) == "resilience.checkpoint.tiers[1].every_n_steps must be >= 1, got 0"
 
 
@@ -74,7 +74,7 @@ def test_every_schema_field_can_be_overridden_without_a_plus() -> None:
     cfg = _compose(
         "resilience=default", "resilience.ft.config.min_timeout_s=2", "resilience.sdc.config.guard_window=16"
     )
-    built = build_all(cfg.resilience)  # type: ignore[attr-defined]
+    built = build_all(cfg.resilience, skip=lambda name: name == "run_dir")  # type: ignore[attr-defined]
     assert built["ft"].config.min_timeout_s == 2 and built["sdc"].config.guard_window == 16
 
 

@@ -36,7 +36,7 @@ class DrainBefore(Callback):
     def __init__(self, step: int, tiered: TieredCheckpoint) -> None:
         self.step, self.tiered = step, tiered
 
-    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:  # after the checkpoint's step end
         if trainer.global_step == self.step and self.tiered.manager is not None:
             self.tiered.manager.wait()
             trainer.strategy.barrier("drain-before-crash")

@@ -15,12 +15,13 @@ TINY = dict(vocab_size=64, seq_len=16, d_model=32, n_layer=1, n_head=2, dropout=
 
 
 class CrashAt(Callback):
-    """Raises at the end of a given global step: a crash the test can inject deterministically."""
+    """Raises once ``step`` steps are done, as the next step starts: a crash the test can inject deterministically
+    (every callback has finished with step ``step``, the checkpoint callback's snapshot included)."""
 
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.global_step == self.step:
             raise RuntimeError(f"injected crash at step {self.step}")
 

@@ -74,11 +74,11 @@ class DrainThenCrashAt(CrashAt):
     on disk would depend on thread timing; the test wants to know exactly which step the resume must pick.
     """
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.global_step == self.step:
             _drain_persists(trainer)
             trainer.strategy.barrier("drain_then_crash")
-        super().on_train_batch_end(trainer, pl_module, *args)
+        super().on_train_batch_start(trainer, pl_module, *args)
 
 
 class SaveCheckpointAt(Callback):

@@ -11,14 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.config.ft import FaultToleranceConfig
 from lightning_resilience.lightning.callbacks.fault_tolerance import FaultTolerance
-from lightning_resilience.lightning.callbacks.resilience_report import ResilienceReportCallback, section_name
+from lightning_resilience.lightning.callbacks.resilience_report import ResilienceReportCallback
 from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
+from lightning_resilience.lightning.coordination import Suite
 from lightning_resilience.report import REPORT_NAME
 from lightning_resilience.sim.cli import simulate_main
 from lightning_resilience.sim.from_run import load_run_costs
@@ -35,9 +36,12 @@ def _ft(run_dir: Path) -> FaultTolerance:
 
 
 class _Custom(Callback):
-    """Any callback with a report() contributes a section, under report_section when it has one."""
+    """A component of the user's own contributes a section by registering with the Trainer's suite."""
 
     report_section = "custom"
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        Suite.of(trainer).add_reporter(self)
 
     def report(self) -> dict[str, Any]:
         return {"checked": 3, "ok": True}
@@ -46,7 +50,9 @@ class _Custom(Callback):
         return "custom: 3 checked"
 
 
-class BrokenThing(Callback):
+class BrokenThing(_Custom):
+    report_section = "broken_thing"
+
     def report(self) -> dict[str, Any]:
         raise RuntimeError("figures unavailable")
 
@@ -202,14 +208,7 @@ def test_metrics_reach_the_loggers_at_the_logging_cadence_as_host_values(
 
 
 def test_section_names() -> None:
-    assert section_name(_Custom()) == "custom"
-    assert section_name(BrokenThing()) == "broken_thing"
+    from lightning_resilience import SDCVerification, StragglerDetection
 
-    class SDCVerification:
-        pass
-
-    class FaultTolerance:
-        pass
-
-    assert section_name(SDCVerification()) == "sdc_verification"
-    assert section_name(FaultTolerance()) == "fault_tolerance"
+    names = [cb.report_section for cb in (FaultTolerance, SDCVerification, StragglerDetection)]
+    assert names == ["fault_tolerance", "sdc_verification", "straggler_detection"]
