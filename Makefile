@@ -7,6 +7,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT_PATHS := lightning_resilience recipes tests $(wildcard benchmarks)
 
+# An editable install maps our packages through an import hook, which Hydra's plugin scan (pkgutil) cannot list:
+# the checkout goes on the venv's path too, so hydra_plugins/ is found as it is in an installed wheel.
+repo_on_path = $(1) -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], \
+	'lightning_resilience_checkout.pth').write_text('$(CURDIR)\n')"
+
 .PHONY: venv nemo-venv demo launch-drills test lint typecheck unit bench gpu-check clean drills-data
 
 $(STAMP): setup.cfg setup.py pyproject.toml
@@ -14,6 +19,7 @@ $(STAMP): setup.cfg setup.py pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_SPEC)
 	$(BIN)/pip install -q -e ".[dev]"
+	$(call repo_on_path,$(BIN)/python)
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -28,6 +34,7 @@ $(NEMO_STAMP): setup.cfg setup.py pyproject.toml
 	$(NEMO_VENV)/bin/pip install -q $(TORCH_SPEC)
 	$(NEMO_VENV)/bin/pip install -q "nemo-toolkit[core,common-only]==3.0.0"
 	$(NEMO_VENV)/bin/pip install -q --no-deps -e .
+	$(call repo_on_path,$(NEMO_VENV)/bin/python)
 	$(NEMO_VENV)/bin/pip install -q --no-deps "nvidia-resiliency-ext>=0.4"
 	$(NEMO_VENV)/bin/pip install -q defusedxml nvidia-ml-py psutil pynvml "zstandard>=0.22" "xxhash>=3.0" \
 		"fsspec>=2023.1" "hydra-core>=1.3" "omegaconf>=2.3" "rich>=13" pytest pytest-timeout

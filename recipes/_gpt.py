@@ -20,6 +20,7 @@ __all__ = ["TinyGPT", "WarmupCosineLambda", "count_parameters", "gpt_preset"]
 # Exact parameter counts (weight-tied head, biases on all Linear layers); each block holds 12*d^2 + 13*d parameters.
 #   tiny : vocab 256,  seq 64,  d 128, 2 layers -> 437,760 parameters (~0.44M)
 #   small: vocab 8192, seq 128, d 512, 6 layers -> 23,175,168 parameters (~23.2M)
+#   gpt2 : vocab 50304, seq 1024, d 768, 12 layers -> 124,475,904 parameters (~124M, GPT-2 small)
 _PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "vocab_size": 256,
@@ -45,6 +46,19 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "warmup_steps": 100,
         "max_steps": 10000,
     },
+    # GPT-2 small's shape; its tokenizer's 50257 ids padded to a multiple of 64, as nanoGPT does
+    "gpt2": {
+        "vocab_size": 50304,
+        "seq_len": 1024,
+        "d_model": 768,
+        "n_layer": 12,
+        "n_head": 12,
+        "dropout": 0.0,
+        "lr": 6e-4,
+        "weight_decay": 0.1,
+        "warmup_steps": 2000,
+        "max_steps": 600000,
+    },
 }
 
 
@@ -52,7 +66,8 @@ def gpt_preset(name: str) -> dict[str, Any]:
     """Return the constructor kwargs for a named :class:`TinyGPT` size preset.
 
     Args:
-        name: Preset name, one of ``"tiny"`` (~0.44M parameters) or ``"small"`` (~23.2M parameters).
+        name: Preset name: ``"tiny"`` (~0.44M parameters), ``"small"`` (~23.2M) or ``"gpt2"`` (GPT-2 small,
+            ~124M; for a nanoGPT token file of GPT-2 ids).
 
     Returns:
         A fresh dict of keyword arguments for :class:`TinyGPT` (safe to mutate).

@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_resilience.ft.preemption import PREEMPT_EXIT_CODE
-from lightning_resilience.ft.watchdog import HANG_EXIT_CODE
+from lightning_resilience.exit_codes import ExitCode
+
+HANG_EXIT_CODE, PREEMPT_EXIT_CODE = int(ExitCode.HANG), int(ExitCode.PREEMPTED)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "ft" / "_ft_script.py"

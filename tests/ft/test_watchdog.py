@@ -239,6 +239,8 @@ def test_hang_handler_still_ends_the_process_when_recording_fails(tmp_path: Path
         f"HangHandler(Path({str(blocker)!r}), rank=0, attempt=0)(Hang('step', 1, 2.0, 1.0, True))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    from lightning_resilience.ft.watchdog import HANG_EXIT_CODE
+    from lightning_resilience.exit_codes import ExitCode
+
+    HANG_EXIT_CODE = int(ExitCode.HANG)
 
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr[-2000:]
