@@ -16,6 +16,7 @@ verified step and deletes the newer, suspect ones.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -255,6 +256,9 @@ class Suite:
             else f"corrupt state found at step {cause.step if cause else '?'}"
         )
         rank_zero_info(f"lightning_resilience: ending the process with exit code {int(code)} ({code.name}): {reason}")
+        # the process group goes before interpreter exit: left to finalisation, gloo's threads can abort the process
+        # (SIGABRT) and the launcher would see 134 instead of the decided code
+        atexit.register(_destroy_process_group)
         raise DecidedExit(code, reason)
 
     # ------------------------------------------------------------------ restore bound
@@ -323,3 +327,8 @@ class Suite:
         if self.exit_code is not ExitCode.OK:
             lines.append(f"  exit code {int(self.exit_code)} ({self.exit_code.name})")
         return "\n".join(lines)
+
+
+def _destroy_process_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
+from tests.drills._user_code import FAULTS
+
 ROOT = Path(__file__).resolve().parents[2]
 USER_SCRIPT = ROOT / "tests" / "drills" / "_user_script.py"
-FAULTS = ("none", "sigkill", "sigkill-persist", "sigterm-rank", "sigterm-launcher")
 # faults that end the whole job (the launcher itself): the harness launches it again, as a scheduler's requeue would
 _ENDS_THE_JOB = ("sigterm-launcher",)
 
