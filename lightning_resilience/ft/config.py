@@ -52,7 +52,8 @@ class FaultToleranceConfig:
     dump_stacks: bool = True
     """On a hang, dump every thread's Python stack of the hung rank to <run_dir>/stacks/."""
     exit_on_hang: bool = True
-    """End the hung rank with HANG_EXIT_CODE so the launcher restarts the group (False: log only)."""
+    """End the hung rank with ExitCode.HANG so the launcher restarts the group (False: log only). The policy's
+    ``hang`` setting must allow it too (``dump_and_exit``, the default)."""
     preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
     """Signals taken as a preemption notice: all ranks stop at an agreed step boundary, save and exit."""
     store_timeout_s: float = 30.0

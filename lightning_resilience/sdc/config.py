@@ -59,8 +59,9 @@ class SDCConfig:
     reconcile_every_n_steps: int = 50
     """Steps between two cross-replica comparisons of parameter and optimizer-state digests; 0 disables them."""
     stop_on_suspect: bool = False
-    """A fault that a replay cannot fix (persistent device, unresolved vote) raises SilentDataCorruptionError
-    after the verdict file is written, so the launcher sees SDC_EXIT_CODE and can exclude the node."""
+    """A fault that a replay cannot fix (persistent device, unresolved vote) stops the job at least with a
+    rollback (exit code ExitCode.SDC, the verdict file names the suspects), even where the policy's
+    ``sdc_mismatch`` would only alert or log."""
     run_dir: str | None = None
     """Directory of the verdict file (sdc_verdict.json) a launcher reads; None: no file."""
     rollback_tiers: list[str] | None = None
