@@ -112,27 +112,27 @@ class Suite:
             self._bus, self.decision, self.corrupt, self.emergency_saved = None, None, None, None
 
     def attach_checkpoint(self, member: TieredCheckpoint) -> None:
-        self._claim("checkpoint", member)
+        self._claim("checkpoint", self.checkpoint, member)
         self.checkpoint = member
         self._join(member, None)
 
     def attach_fault_tolerance(self, member: FaultTolerance) -> None:
-        self._claim("fault_tolerance", member)
+        self._claim("fault_tolerance", self.fault_tolerance, member)
         self.fault_tolerance = member
         self._join(member, member)
 
     def attach_straggler(self, member: StragglerDetection) -> None:
-        self._claim("straggler", member)
+        self._claim("straggler", self.straggler, member)
         self.straggler = member
         self._join(member, member)
 
     def attach_sdc(self, member: SDCVerification) -> None:
-        self._claim("sdc", member)
+        self._claim("sdc", self.sdc, member)
         self.sdc = member
         self._join(member, member)
 
     def attach_policy(self, member: ResiliencePolicy) -> None:
-        self._claim("policy", member)
+        self._claim("policy", self.policy, member)
         self.policy = member
         self._bus = None  # rebuilt with this member's mapping
         self._join(member, None)  # the suite reports the policy's decisions itself
@@ -145,8 +145,8 @@ class Suite:
         if reporting not in self.reporters:
             self.reporters.append(reporting)
 
-    def _claim(self, role: str, member: Callback) -> None:
-        current = getattr(self, role)
+    @staticmethod
+    def _claim(role: str, current: Callback | None, member: Callback) -> None:
         if current is not None and current is not member:
             raise ValueError(
                 f"the Trainer has two {role} callbacks ({type(current).__name__} and {type(member).__name__}): "

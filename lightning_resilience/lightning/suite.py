@@ -208,11 +208,12 @@ class ResilienceSuite(Callback):
     Args:
         callbacks: the suite's callbacks (from :func:`build_suite`).
         source: what switched it on, for the message at fit start.
+        run_dir: where the suite keeps its files, for the same message.
     """
 
-    def __init__(self, callbacks: Sequence[Callback], source: str) -> None:
+    def __init__(self, callbacks: Sequence[Callback], source: str, run_dir: str | None = None) -> None:
         self.callbacks = list(callbacks)
-        self.source = source
+        self.source, self.run_dir = source, run_dir
         self.added: list[Callback] = []
         self.kept: list[Callback] = []
         self._done = False
@@ -241,6 +242,7 @@ class ResilienceSuite(Callback):
         rank_zero_info(
             f"lightning_resilience: enabled by {self.source}: {added}"
             + (f"; the Trainer's own {kept} kept" if kept else "")
+            + (f"; run_dir {self.run_dir}" if self.run_dir else "")
         )
 
 
@@ -249,11 +251,7 @@ def describe(cb: Callback) -> str:
     from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
 
     if isinstance(cb, TieredCheckpoint):
-        tiers = ", ".join(
-            f"{t.name} every {t.every_n_steps}"
-            + (f" -> {loc}" if (loc := getattr(t, "root", None) or getattr(t, "url", None)) else "")
-            for t in cb.tiers
-        )
+        tiers = ", ".join(f"{t.name} every {t.every_n_steps}" for t in cb.tiers)
         return f"TieredCheckpoint({tiers}; resume {cb.config.resume})"
     return type(cb).__name__
 
@@ -278,4 +276,5 @@ def callbacks_from_environment() -> list[Callback]:
         callbacks = build_suite(node)
     except ResilienceConfigError as err:
         raise ResilienceConfigError(f"{switch.source}: {err}") from err
-    return [ResilienceSuite(callbacks, switch.source)]
+    run_dir = node.get("run_dir")
+    return [ResilienceSuite(callbacks, switch.source, None if run_dir is None else str(run_dir))]
