@@ -20,8 +20,10 @@ _LIGHTNING_BEFORE_2_5 = tuple(int(p) for p in lightning.__version__.split(".")[:
 
 __all__ = [
     "consumed_batches",
+    "discard_pending_checkpoint",
     "dump_trainer_state",
     "epoch_batches",
+    "pending_checkpoint_step",
     "restart_train_iterator",
     "restore_trainer_state",
     "train_loaders",
@@ -48,6 +50,18 @@ def restore_trainer_state(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
         connector.restore_training_state()
     finally:
         connector._loaded_checkpoint = {}
+
+
+def pending_checkpoint_step(trainer: Trainer) -> int | None:
+    """The step of the checkpoint ``fit(ckpt_path=...)`` loaded, whose optimizer and loop state Lightning applies
+    right after ``on_fit_start`` (None: nothing loaded yet, e.g. strategies that restore after setup)."""
+    loaded = trainer._checkpoint_connector._loaded_checkpoint
+    return int(loaded["global_step"]) if loaded and "global_step" in loaded else None
+
+
+def discard_pending_checkpoint(trainer: Trainer) -> None:
+    """Lightning will not apply the rest of the ``ckpt_path`` checkpoint (a newer state was restored instead)."""
+    trainer._checkpoint_connector._loaded_checkpoint = {}
 
 
 def _batch_completed(checkpoint: dict[str, Any]) -> dict[str, Any]:

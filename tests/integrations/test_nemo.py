@@ -51,7 +51,7 @@ NEMO_KEYS = [  # NeMo's own resiliency keys, as a NeMo user sets them
 def _command(workdir: Path, run: Path, *extra: str) -> list[str]:
     return [
         str(NEMO_PYTHON), str(EXAMPLE), "+resilience=default", f"resilience.run_dir={run}",
-        f"resilience.checkpoint.tiers.1.every_n_steps={PERSIST_EVERY}", f"exp_manager.exp_dir={workdir / 'exp'}",
+        f"resilience.checkpoint.tiers.1.every_n_steps={PERSIST_EVERY}", f"exp_manager.exp_dir={run / 'nemo'}",
         f"trainer.max_steps={STEPS}", *extra,
     ]  # fmt: skip
 
@@ -120,7 +120,7 @@ def test_nemo_own_resiliency_keys_are_served_by_our_callbacks(runs: dict[str, An
     assert "NeMo exp_manager: fault tolerance and straggler detection provided by lightning_resilience" in out
     # NeMo's exp_manager added them; the suite keeps them instead of adding its own
     assert "the Trainer's own FaultTolerance, StragglerDetection kept" in out
-    ledger = next((runs["workdir"] / "exp").rglob("ft_ledger.json"))  # <exp_dir>/<name>/resilience: NeMo's keys
+    ledger = next((runs["workdir"] / "faulty" / "nemo").rglob("ft_ledger.json"))  # <exp_dir>/<name>/resilience
     assert ledger.parent.name == "resilience" and ledger.parent.parent.name == "tiny_regression"
     sections = _report(runs["workdir"] / "faulty")
     # fault_tolerance.calculate_timeouts=False reached our FaultTolerance: nothing was calibrated
@@ -132,6 +132,9 @@ def test_a_killed_run_relaunched_ends_bitwise_equal(runs: dict[str, Any]) -> Non
     assert runs["killed_rc"] == -signal.SIGKILL, f"the run finished before the kill ({runs['killed_rc']})"
     restored = _report(runs["workdir"] / "faulty")["checkpoint"]["restored_step"]
     assert restored is not None and KILL_AFTER <= restored < STEPS
+    # NeMo's resume_if_exists pointed the Trainer at its own (older) last.ckpt: the newer step of ours won
+    out = runs["resumed"].stdout + runs["resumed"].stderr
+    assert f"our step {restored} is newer than ckpt_path (step 50)" in out, out[-3000:]
     reference, resumed = _final_weights(runs["workdir"] / "reference"), _final_weights(runs["workdir"] / "faulty")
     assert reference.keys() == resumed.keys()
     differ = [k for k in reference if not torch.equal(reference[k], resumed[k])]

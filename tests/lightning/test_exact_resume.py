@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_resilience import CheckpointConfig, LocalTier, MemoryTier, TieredCheckpoint
 from tests.lightning._training import CrashAt, assert_bitwise_equal, build, trainer, weights
@@ -77,3 +79,34 @@ def test_exception_save_can_be_turned_off(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="injected crash"):
         trainer(STEPS, [cb, CrashAt(13)]).fit(model, datamodule=data)
     assert tiers[1].list_steps() == []
+
+
+class _SaveAt(Callback):
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def test_the_newer_of_ckpt_path_and_our_steps_wins(tmp_path: Path, reference: dict) -> None:
+    """A relaunched script that names a fixed ``ckpt_path`` (or NeMo's ``resume_if_exists``) continues from our
+    newer step; a ``ckpt_path`` newer than anything of ours is taken as it is."""
+    old = tmp_path / "step4.ckpt"
+    model, data = build()
+    with pytest.raises(RuntimeError, match="injected crash"):
+        trainer(STEPS, [TieredCheckpoint(_tiers(tmp_path / "t")), _SaveAt(4, old), CrashAt(17)]).fit(
+            model, datamodule=data
+        )
+    model, data = build(seed=99)
+    cb = TieredCheckpoint(_tiers(tmp_path / "t"))
+    trainer(STEPS, [cb]).fit(model, datamodule=data, ckpt_path=old)
+    assert cb.stats.restored_step is not None and cb.stats.restored_step >= 15
+    assert_bitwise_equal(weights(model), reference)
+
+    model, data = build(seed=99)  # nothing of ours newer than the file: Lightning restores it
+    cb = TieredCheckpoint(_tiers(tmp_path / "empty"))
+    trainer(STEPS, [cb]).fit(model, datamodule=data, ckpt_path=old)
+    assert cb.stats.restored_step is None
+    assert_bitwise_equal(weights(model), reference)

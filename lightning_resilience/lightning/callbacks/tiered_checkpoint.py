@@ -20,7 +20,12 @@ from lightning_resilience.checkpoint.tree import storage_ptr
 from lightning_resilience.exit_codes import DecidedExit
 from lightning_resilience.lightning._metrics import log_host_metrics, logging_step
 from lightning_resilience.lightning._train_data import TrainDataPosition
-from lightning_resilience.lightning._trainer_state import dump_trainer_state, restore_trainer_state
+from lightning_resilience.lightning._trainer_state import (
+    discard_pending_checkpoint,
+    dump_trainer_state,
+    pending_checkpoint_step,
+    restore_trainer_state,
+)
 from lightning_resilience.lightning.coordination import Suite
 
 __all__ = ["TieredCheckpoint"]
@@ -47,7 +52,8 @@ class TieredCheckpoint(Checkpoint):
     Args:
         tiers: where snapshots go (tiers, or their config dataclasses); each has its own ``every_n_steps`` and
             ``keep``.
-        resume: ``"auto"`` (newest step valid on every rank), ``"never"``, or a step number; a shorthand for
+        resume: ``"auto"`` (newest step valid on every rank; with ``fit(ckpt_path=...)``, the newer of the two),
+            ``"never"``, or a step number (then ``ckpt_path``, if given, wins); a shorthand for
             ``config.resume`` (default: ``config.resume``, itself ``"auto"`` by default). Giving both with different
             values is an error.
         config: engine behaviour (error policy, timeouts, host buffers, resume).
@@ -111,8 +117,11 @@ class TieredCheckpoint(Checkpoint):
         if self.config.overlap_copy:
             # a snapshot's background copy must land before the optimizer changes what it reads
             self._guards = [self.manager.guard_optimizer(opt) for opt in trainer.optimizers]
-        if self.config.resume == "never" or trainer.ckpt_path is not None:
-            return  # an explicit fit(ckpt_path=...) wins over automatic resume
+        if self.config.resume == "never":
+            return
+        pending = pending_checkpoint_step(trainer) if trainer.ckpt_path is not None else None
+        if trainer.ckpt_path is not None and (pending is None or self.config.resume_step is not None):
+            return  # fit(ckpt_path=...) that cannot be compared (restored after setup), or a chosen step: it wins
         assert self._suite is not None
         bound = self._suite.restore_bound(trainer)  # collective: a corrupt state was found by an earlier attempt
         # sharded strategies rebuild DTensors on their device mesh
@@ -129,6 +138,16 @@ class TieredCheckpoint(Checkpoint):
         if restored is None:
             rank_zero_log(trainer, "no checkpoint to resume from: starting at step %d", trainer.global_step)
             return
+        if pending is not None:
+            if restored.step <= pending:
+                rank_zero_log(trainer, "ckpt_path (step %d) is not older than our step %d: resuming from ckpt_path",
+                              pending, restored.step)  # fmt: skip
+                self.manager.stats.restored_step = self.manager.stats.restored_from = None
+                return
+            # fit(ckpt_path=...) names an older state (NeMo's resume_if_exists, a relaunched script): the newest wins
+            rank_zero_log(trainer, "our step %d is newer than ckpt_path (step %d): resuming from it", restored.step,
+                          pending)  # fmt: skip
+            discard_pending_checkpoint(trainer)
         restore_trainer_state(trainer, restored.state)
         self._last_step = restored.step
         self.restores += 1
