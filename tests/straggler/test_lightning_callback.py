@@ -12,13 +12,19 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import Checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_resilience import DecidedExit, ExitCode
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.memory import MemoryTier
-from lightning_resilience.lightning.callbacks.straggler import STRAGGLER_EXIT_CODE, StragglerDetection
+from lightning_resilience.lightning.callbacks.policy import ResiliencePolicy
+from lightning_resilience.lightning.callbacks.straggler import StragglerDetection
 from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
+from lightning_resilience.policy import PolicyConfig
 from lightning_resilience.straggler.config import StragglerConfig, StragglerLevelConfig
+
+STRAGGLER_EXIT_CODE = ExitCode.STRAGGLER
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,7 +63,7 @@ def _trainer(callbacks: list, max_steps: int) -> Trainer:
         accelerator="cpu",
         devices=1,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=any(isinstance(cb, Checkpoint) for cb in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -81,7 +87,9 @@ def test_stop_decision_checkpoints_and_stops_with_exit_code(tmp_path: Path) -> N
     local = LocalTier(tmp_path / "ckpt", every_n_steps=1000, keep=2)
     ckpt = TieredCheckpoint(tiers=[MemoryTier(every_n_steps=1, keep=2), local], resume="never")
     trainer = _trainer([ckpt, cb], max_steps=200)
-    trainer.fit(SlowingModel(onset=onset, factor=1.5))
+    with pytest.raises(DecidedExit) as ended:  # the end of fit ends the process with the straggler code
+        trainer.fit(SlowingModel(onset=onset, factor=1.5))
+    assert ended.value.code == STRAGGLER_EXIT_CODE
 
     assert cb.exit_code == STRAGGLER_EXIT_CODE
     assert cb.stopped_at_step is not None and onset < cb.stopped_at_step <= onset + 12
@@ -90,7 +98,10 @@ def test_stop_decision_checkpoints_and_stops_with_exit_code(tmp_path: Path) -> N
     detector = cb.detector
     assert detector is not None and detector.mode == "individual"
     assert {v.section for v in detector.verdicts} <= {"compute", "forward"} and detector.verdicts
-    assert [d.action.value for d in detector.decisions if d.verdict.section == "compute"] == ["alert", "stop"]
+    assert [d.action.value for d in detector.decisions if d.verdict.section == "compute"] == [
+        "alert",
+        "checkpoint_and_stop",
+    ]
     metrics = cb.last_metrics
     assert metrics["resilience/straggler/verdicts"] >= 1
     assert metrics["resilience/straggler/compute/max_score"] > 1.3
@@ -99,7 +110,7 @@ def test_stop_decision_checkpoints_and_stops_with_exit_code(tmp_path: Path) -> N
     assert "stopped at step" in cb.summary() and f"exit code {STRAGGLER_EXIT_CODE}" in cb.summary()
     report = cb.report()
     assert report["exit_code"] == STRAGGLER_EXIT_CODE and report["verdicts"]
-    assert cb.state_dict()["decisions"][-1]["action"] == "stop"
+    assert cb.state_dict()["decisions"][-1]["action"] == "checkpoint_and_stop"
 
 
 def test_steady_run_trains_to_the_end_without_decisions() -> None:
@@ -161,7 +172,8 @@ def test_ddp_spawn_two_ranks_name_the_slow_one_and_both_stop(tmp_path: Path) -> 
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[cb, RecordEnd(tmp_path)],
+        # spawned workers hand no exit code back to this process: they return, and RecordEnd reports the code
+        callbacks=[cb, RecordEnd(tmp_path), ResiliencePolicy(PolicyConfig(exit_after_fit=False))],
     )
     trainer.fit(RankSlowingModel(onset=30, factor=1.5, slow_rank=1))
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
