@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-LINT_PATHS := lightning_resilience recipes tests $(wildcard benchmarks)
+LINT_PATHS := lightning_resilience recipes hydra_plugins setup.py tests $(wildcard benchmarks)
 
 # An editable install maps our packages through an import hook, which Hydra's plugin scan (pkgutil) cannot list:
 # the checkout goes on the venv's path too, so hydra_plugins/ is found as it is in an installed wheel.
@@ -57,7 +57,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check $(LINT_PATHS)
 
 typecheck: $(STAMP)
-	$(BIN)/mypy lightning_resilience recipes
+	$(BIN)/mypy lightning_resilience recipes hydra_plugins
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -126,3 +126,22 @@ def test_two_checkpoint_callbacks_are_refused(tmp_path: Path) -> None:
     b = TieredCheckpoint([MemoryTier(every_n_steps=1, keep=1, name="ram")])
     with pytest.raises(RuntimeError, match="more than one stateful callback"):  # Lightning's own check
         trainer(3, [a, b]).fit(model, datamodule=data)
+
+
+def test_preemption_and_hang_settings_are_honoured(tmp_path: Path) -> None:
+    """``preemption: log`` lets a noticed job train on (exit 0); ``hang: log`` keeps the hung rank alive."""
+    from lightning_resilience import FaultTolerance
+    from tests.ft.test_fault_tolerance_callback import NotifyAt, _config
+
+    ft = FaultTolerance(_config(tmp_path / "run"))
+    policy = ResiliencePolicy(PolicyConfig(preemption="log", hang="log"))
+    model, data = build()
+    t = trainer(10, [ft, policy, NotifyAt(3)])
+    t.fit(model, datamodule=data)
+    assert ft.preempted_at == 4 and t.global_step == 10 and policy.exit_code == 0
+    assert [d["action"] for d in policy.report()["decisions"]] == ["log"]
+    assert ft._hang_handler is not None and ft._hang_handler.exit is False
+    # the default mapping ends a hung rank
+    ft = FaultTolerance(_config(tmp_path / "run2"))
+    trainer(2, [ft]).fit(*build())
+    assert ft._hang_handler is not None and ft._hang_handler.exit is True

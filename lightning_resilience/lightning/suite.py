@@ -220,7 +220,7 @@ class ResilienceSuite(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self._done:
+        if self._done or stage != "fit":  # the suite protects training: validate/test/predict run without it
             return
         self._done = True
         present: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
@@ -237,6 +237,8 @@ class ResilienceSuite(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._done:
+            return
         added = ", ".join(describe(cb) for cb in self.added) or "nothing"
         kept = ", ".join(type(cb).__name__ for cb in self.kept)
         rank_zero_info(
