@@ -10,6 +10,7 @@ import lightning
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import Checkpoint
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
@@ -108,7 +109,8 @@ def _fit(data: Data, steps: int, callbacks: list, seed: int = 7, **kwargs: Any) 
         accelerator="cpu",
         devices=1,
         logger=False,
-        enable_checkpointing=False,
+        # TieredCheckpoint is a Lightning Checkpoint: with one, Lightning adds no ModelCheckpoint of its own
+        enable_checkpointing=any(isinstance(cb, Checkpoint) for cb in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
@@ -188,7 +190,7 @@ def test_iterable_dataset_without_state_is_named_in_one_warning(tmp_path: Path) 
 
     seed_everything(1)
     trainer = Trainer(
-        max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        max_steps=3, accelerator="cpu", devices=1, logger=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         callbacks=[TieredCheckpoint(_tiers(tmp_path))],
     )  # fmt: skip

@@ -190,7 +190,7 @@ def test_metrics_reach_the_loggers_at_the_logging_cadence_as_host_values(
     callbacks = [_ft(run_dir), TieredCheckpoint(tiers), ResilienceReportCallback(run_dir, print_table=False)]
     fit = Trainer(
         max_steps=12, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path / "logs"), log_every_n_steps=4,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
     )  # fmt: skip
     fit.fit(model, datamodule=data)
     with open(next((tmp_path / "logs").rglob("metrics.csv"))) as f:
