@@ -61,19 +61,12 @@ class FaultDrill(Callback):
             # between their steps, where the wait for data is timed)
             threading.Event().wait((self.factor - 1.0) * self._last_step_s)
         self._t0 = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        self._last_step_s = time.perf_counter() - self._t0
-        if self._slowed(trainer, "compute"):
-            # a fail-slow device: this rank's steps take `factor` times as long from `step` on (this callback runs
-            # before the detectors, so the wait is inside the step they time)
-            threading.Event().wait((self.factor - 1.0) * self._last_step_s)
-            return
+        # step `step` is done (the checkpoint callback, which runs last, included): the fault hits as the next starts
         if self.kind in ("none", "slow_rank", "bit_flip") or trainer.global_step != self.step:
             return
         if not self._armed(trainer):
             return
-        print(f"[drill] rank {self.rank}: injecting {self.kind} at step {self.step}", flush=True)
+        print(f"[drill] rank {self.rank}: injecting {self.kind} after step {self.step}", flush=True)
         if self.kind == "kill_rank":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.kind == "crash":
@@ -82,6 +75,13 @@ class FaultDrill(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
         elif self.kind == "hang":
             threading.Event().wait(HANG_LIMIT_S)  # the watchdog (resilience/ft) must notice and end this rank
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self._last_step_s = time.perf_counter() - self._t0
+        if self._slowed(trainer, "compute"):
+            # a fail-slow device: this rank's steps take `factor` times as long from `step` on (this callback runs
+            # before the detectors, so the wait is inside the step they time)
+            threading.Event().wait((self.factor - 1.0) * self._last_step_s)
 
 
 def drill_callbacks(drill: DictConfig) -> list[Callback]:

@@ -8,16 +8,16 @@ Run by ``tests/drills/test_launch.py`` under ``lightning-resilience launch`` (or
 
 ``--fault ATTEMPT:KIND:RANK:STEP`` (repeatable; ATTEMPT ``*`` is every attempt) injects on that rank and attempt:
 
-* ``sigkill``: SIGKILLs itself at the end of step STEP;
-* ``exception``: raises at the end of step STEP;
+* ``sigkill``: SIGKILLs itself once step STEP is done (at the start of step STEP + 1);
+* ``exception``: raises once step STEP is done;
 * ``sigterm``: sends itself SIGTERM (a preemption notice) at the start of step STEP + 1;
 * ``hang``: spins in a Python loop at the start of step STEP + 1 (the watchdog ends it with exit 86).
 
 ``--step-time S`` adds S seconds of "compute" to every step (a job long enough to be signalled mid-run).
 
-One step before a fault every rank waits for the persist in flight, so what was committed does not depend on how
-loaded the machine is. Each attempt of each rank writes ``RUN/reports/attempt<N>_rank<R>.json``. The process ends with
-``FaultTolerance.exit_code``.
+Before a fault the faulty rank waits for its persist in flight, so what was committed does not depend on how loaded
+the machine is. Each attempt of each rank writes ``RUN/reports/attempt<N>_rank<R>.json``. The process ends with the
+suite's decided code (``FaultTolerance.exit_code``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_resilience import LocalTier, MemoryTier, ResilientDDPStrategy, TieredCheckpoint
+from lightning_resilience import DecidedExit, LocalTier, MemoryTier, ResilientDDPStrategy, Suite, TieredCheckpoint
 from lightning_resilience.config.ft import FaultToleranceConfig
 from lightning_resilience.ft.restart import current_attempt
 from lightning_resilience.lightning.callbacks.fault_tolerance import FaultTolerance
@@ -72,31 +72,26 @@ class Faults(Callback):
         return next((k for k, s in self.faults if s == step and k in kinds), None)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        kind = self._at(trainer.global_step, "sigterm", "hang")
+        # step STEP is done (every callback's, the checkpoint callback's persist included): STEP + 1 starts
+        step = trainer.global_step
+        kind = self._at(step, "sigterm", "hang", "sigkill", "exception")
         if kind is None:
             return
-        print(f"DRILL: rank {trainer.global_rank} {kind} at step {trainer.global_step}", flush=True)
+        tiered = Suite.of(trainer).checkpoint
+        assert tiered is not None and tiered.manager is not None
+        if not tiered.manager.wait(timedelta(seconds=RUNAWAY_S)):  # let the persist in flight land first
+            raise RuntimeError(f"the persist in flight at step {step} did not finish")
+        print(f"DRILL: rank {trainer.global_rank} {kind} at step {step}", flush=True)
         if kind == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
-        else:
+        elif kind == "hang":
             end = time.monotonic() + RUNAWAY_S
             while time.monotonic() < end:  # a rank stuck in a Python loop
                 pass
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        step = trainer.global_step
-        if any(s in (step, step + 1) for _, s in self.faults):  # let the persist in flight land first
-            tiered = next(c for c in trainer.callbacks if isinstance(c, TieredCheckpoint))
-            assert tiered.manager is not None
-            if not tiered.manager.wait(timedelta(seconds=RUNAWAY_S)):
-                raise RuntimeError(f"the persist in flight at step {step} did not finish")
-        kind = self._at(step, "sigkill", "exception")
-        if kind is None:
-            return
-        print(f"DRILL: rank {trainer.global_rank} {kind} at step {step}", flush=True)
-        if kind == "sigkill":
+        elif kind == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError(f"injected exception at step {step}")
+        else:
+            raise RuntimeError(f"injected exception at step {step}")
 
 
 class Report(Callback):
@@ -110,7 +105,8 @@ class Report(Callback):
         os.replace(tmp, self.path)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        tiered = next(c for c in trainer.callbacks if isinstance(c, TieredCheckpoint))
+        tiered = Suite.of(trainer).checkpoint
+        assert tiered is not None
         self.report.update(start_step=trainer.global_step, restored_step=tiered.stats.restored_step)
         self.write()
 
@@ -163,11 +159,13 @@ def main(argv: list[str]) -> int:
         max_steps=args.steps,
         callbacks=[ft, TieredCheckpoint(tiers), Faults(mine), reporter],
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(MLP(args.step_time), DataLoader(data, batch_size=8, shuffle=True))
+    try:
+        trainer.fit(MLP(args.step_time), DataLoader(data, batch_size=8, shuffle=True))
+    except DecidedExit:  # the suite's code (a handled preemption): this attempt's report first, then the exit
+        pass
     report.update(exit_code=ft.exit_code, preempted_at=ft.preempted_at)
     reporter.write()
     # torn down here: left to interpreter exit, gloo's threads can abort the process (SIGABRT)

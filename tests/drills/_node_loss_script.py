@@ -37,12 +37,13 @@ SETTLE_LIMIT = timedelta(seconds=60)
 
 
 class LoseNode(Callback):
-    """At the end of ``step``: settle every rank's persists, record what node 0 holds, then node 1 disappears."""
+    """Once ``step`` is done (the checkpoint callback runs last): settle every rank's persists, record what node 0
+    holds, then node 1 disappears."""
 
     def __init__(self, step: int, run_dir: Path, peer: PeerTier) -> None:
         self.step, self.run_dir, self.peer = step, run_dir, peer
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.global_step != self.step:
             return
         tiered = next(c for c in trainer.callbacks if isinstance(c, TieredCheckpoint))

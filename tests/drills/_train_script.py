@@ -5,7 +5,7 @@ Run by ``tests/drills/test_torchrun_kill.py``, with ``PYTHONPATH`` set to the re
     torchrun --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT \\
         tests/drills/_train_script.py --ckpt-dir CKPT --out OUT.pt --steps 20 [--kill-at-step K --kill-rank R]
 
-On the first attempt only (``TORCHELASTIC_RESTART_COUNT == 0``) rank ``R`` SIGKILLs itself at the end of step ``K``:
+On the first attempt only (``TORCHELASTIC_RESTART_COUNT == 0``) rank ``R`` SIGKILLs itself once step ``K`` is done:
 no exception, no clean-up, no flush, as when a node disappears. torchrun then restarts every worker and the job must
 resume on its own from the newest step that every rank committed.
 
@@ -71,13 +71,14 @@ class StallingLocalTier(LocalTier):
 
 
 class KillAt(Callback):
-    """SIGKILLs this process at the end of global step ``step``, optionally once a persist is in flight."""
+    """SIGKILLs this process once global step ``step`` is done (as the next starts: the checkpoint callback, which
+    runs last, has submitted the step's persist), optionally once that persist is in flight."""
 
     def __init__(self, step: int, in_flight: threading.Event | None = None) -> None:
         self.step = step
         self.in_flight = in_flight
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.global_step != self.step:
             return
         # the persist runs on the engine's worker thread: wait until it is part way through writing the shard
@@ -88,7 +89,7 @@ class KillAt(Callback):
 
 
 class SettlePersists(Callback):
-    """Waits at the end of global step ``step`` until this rank's in-flight persist has finished.
+    """Waits once global step ``step`` is done until this rank's in-flight persist has finished.
 
     On a loaded machine one persist can outlast the steps until the next is due; the engine then defers the next
     one on every rank, and a drill meant to kill during the persist of step K would wait for a write that starts
@@ -100,7 +101,7 @@ class SettlePersists(Callback):
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.global_step != self.step:
             return
         tiered = next(c for c in trainer.callbacks if isinstance(c, TieredCheckpoint))
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     if args.kill_at_step is not None and attempt == 0:  # every rank: the persists before the kill are on disk
         callbacks.append(SettlePersists(args.kill_at_step - 1))
-    if kill_here:  # after TieredCheckpoint: its on_train_batch_end has submitted the step's persist
+    if kill_here:
         callbacks.append(KillAt(args.kill_at_step, tier.stalled if stall else None))
 
     model, data = build()
