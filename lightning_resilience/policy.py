@@ -68,12 +68,17 @@ class PolicyConfig:
     end of ``fit`` (``DecidedExit``, a ``SystemExit``, raised after every callback's teardown), so a launcher sees
     it without a line of user code. False: ``fit`` returns and the caller ends the process with
     ``Suite.of(trainer).exit_code``."""
+    timeout_s: float = 300.0
+    """Bound on each agreement between ranks (the decision at a step boundary, the restore bound at resume), on a
+    side gloo group of the policy's own."""
 
     def __post_init__(self) -> None:
         for event, allowed in ALLOWED.items():
             value = getattr(self, event)
             if value not in allowed:
                 raise ConfigError("policy", event, f"must be one of {list(allowed)}, got {value!r}")
+        if not self.timeout_s > 0:
+            raise ConfigError("policy", "timeout_s", f"must be > 0, got {self.timeout_s}")
 
     def action_for(self, event: str) -> str:
         if event not in ALLOWED:

@@ -22,6 +22,7 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -29,6 +30,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_resilience.collective import SideGroup
 from lightning_resilience.exit_codes import DecidedExit, ExitCode
 from lightning_resilience.lightning._metrics import log_host_metrics
 from lightning_resilience.policy import Action, Decision, Event, PolicyBus, PolicyConfig, Verdict
@@ -85,6 +87,7 @@ class Suite:
         self._members: list[Callback] = []
         self._order: list[Callback] | None = None
         self._bus: PolicyBus | None = None
+        self._group: SideGroup | None = None
         self.decision: Decision | None = None
         """The decision that stopped the job (the first one that did), or None."""
         self.corrupt: Verdict | None = None
@@ -161,17 +164,26 @@ class Suite:
     def action_for(self, event: Event) -> Action:
         return Action(self.policy_config.action_for(event.value))
 
+    def side_group(self) -> SideGroup:
+        """The policy's side gloo group; made at its first use, which every rank reaches at the same point (the
+        restore bound at fit start, or the first decision), after every member attached."""
+        if self._group is None:
+            self._group = SideGroup("policy", timedelta(seconds=self.policy_config.timeout_s))
+        return self._group
+
     def bus(self, trainer: Trainer) -> PolicyBus:
         if self._bus is None:
+            group = self.side_group()
 
             def reduce_max(value: int) -> int:
-                if trainer.world_size == 1:
-                    return value
-                t = torch.tensor([value], dtype=torch.int64, device=trainer.strategy.root_device)
-                return int(trainer.strategy.reduce(t, reduce_op="max").item())
+                return group.reduce_max(value, op="decide", step=trainer.global_step)
 
             self._bus = PolicyBus(self.policy_config, reduce_max)
         return self._bus
+
+    def barrier(self, what: str) -> None:
+        """Collective: every rank has got here (bounded by the policy's timeout)."""
+        self.side_group().all_true(True, op=what)
 
     def post(self, trainer: Trainer, verdict: Verdict, *, at_least: Action | None = None) -> Action:
         """Record a detector's verdict (decided at this step's end); returns the action it will lead to.
@@ -294,10 +306,7 @@ class Suite:
             log.error("restore bound %s unreadable (%s): restoring nothing newer than step 0", path, err)
             record = {"max_step": 0, "detected_at": -1, "reason": f"unreadable record: {err}"}
         local = int(record["max_step"]) if record else _NO_BOUND
-        agreed = local
-        if trainer.world_size > 1:
-            t = torch.tensor([local], dtype=torch.int64, device=trainer.strategy.root_device)
-            agreed = int(trainer.strategy.reduce(t, reduce_op="min").item())
+        agreed = self.side_group().reduce_min(local, op="restore_bound")
         if agreed == _NO_BOUND:
             return None
         return RestoreBound(agreed, int(record.get("detected_at", -1)), str(record.get("reason", "")))

@@ -163,10 +163,10 @@ class TieredCheckpoint(Checkpoint):
                     self.discarded_suspect.append(step)
         if self.discarded_suspect:
             log.warning("deleted suspect steps %s (newer than the verified step %d)", self.discarded_suspect, max_step)
-        trainer.strategy.barrier("lightning_resilience.discard_suspect")
+        self._suite.barrier("discard_suspect")
         if trainer.is_global_zero:
             self._suite.clear_restore_bound(trainer)
-        trainer.strategy.barrier("lightning_resilience.restore_bound_cleared")
+        self._suite.barrier("restore_bound_cleared")
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
