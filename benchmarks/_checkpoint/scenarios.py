@@ -153,7 +153,7 @@ def run_lightning(
         accelerator="cpu",
         devices=1,
         logger=False,
-        enable_checkpointing=kind == "modelcheckpoint_async",
+        enable_checkpointing=kind != "none",  # TieredCheckpoint is a Lightning Checkpoint too
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,

@@ -17,12 +17,10 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import OmegaConf
 
-from lightning_resilience import ResumableDataLoader
 from lightning_resilience.config.registry import register_configs
-from recipes._data import SyntheticTokenDataModule
+from lightning_resilience.lightning.suite import build_suite
 from recipes._gpt import TinyGPT, gpt_preset
-from recipes._resilience import resilience_callbacks
-from recipes.pretrain_gpt import CONFIG_DIR
+from recipes.pretrain_gpt import CONFIG_DIR, data_module
 from tests._host_syncs import HostSyncCounter
 
 
@@ -42,8 +40,9 @@ def main(argv: list[str]) -> None:
         cfg = compose("pretrain_gpt", overrides=overrides)
     torch.set_num_threads(1)
     seed_everything(int(cfg.seed), workers=True)
-    model = TinyGPT(**{**gpt_preset(str(cfg.model.preset)), **dict(cfg.model.overrides), "max_steps": 10_000})
-    data = SyntheticTokenDataModule(**OmegaConf.to_container(cfg.data), loader_cls=ResumableDataLoader)  # type: ignore[arg-type]
+    arch = {**gpt_preset(str(cfg.model.preset)), **dict(cfg.model.overrides), "max_steps": 10_000}
+    model = TinyGPT(**arch)
+    data = data_module(cfg.data, vocab_size=int(arch["vocab_size"]), context=int(arch["seq_len"]), seed=int(cfg.seed))
     counter = HostSyncCounter()
     trainer = Trainer(
         max_steps=int(cfg.trainer.max_steps),
@@ -52,10 +51,9 @@ def main(argv: list[str]) -> None:
         strategy="ddp",
         log_every_n_steps=int(cfg.trainer.log_every_n_steps),
         deterministic=bool(cfg.trainer.deterministic),
-        callbacks=[counter, *resilience_callbacks(cfg)],
+        callbacks=[counter, *build_suite(cfg.resilience)],
         default_root_dir=str(cfg.run_dir),
         logger=CSVLogger(str(out_dir / "logs")),
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,

@@ -105,8 +105,8 @@ def test_default_preset_callbacks_make_no_sync_on_ordinary_steps(tmp_path: Path)
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_resilience.config.registry import register_configs
+    from lightning_resilience.lightning.suite import build_suite
     from recipes._data import SyntheticTokenDataModule
-    from recipes._resilience import resilience_callbacks
     from recipes.pretrain_gpt import CONFIG_DIR
 
     register_configs()
@@ -119,8 +119,7 @@ def test_default_preset_callbacks_make_no_sync_on_ordinary_steps(tmp_path: Path)
         devices=1,
         logger=CSVLogger(tmp_path / "logs"),
         log_every_n_steps=10,
-        callbacks=[recorder, *resilience_callbacks(cfg)],
-        enable_checkpointing=False,
+        callbacks=[recorder, *build_suite(cfg.resilience)],
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
