@@ -409,9 +409,11 @@ def render_markdown(result: dict[str, Any]) -> str:
             "bit for bit.",
             "",
             "Restore of the same step through `CheckpointManager.restore` (listing, agreement, load, verify "
-            "checksums, rebuild the state):",
+            "checksums, rebuild the state). The time to apply it (`load_state_dict` into the live model and "
+            "optimizer) is not included: it is the same for every source and dominates a RAM restore, so the "
+            '"vs RAM" column overstates what a user gains; the checkpoint section above measures restore + apply:',
             "",
-            md_table(["from", "restore time", "vs RAM", "shard bytes / time"], restore_rows),
+            md_table(["from", "restore time", "vs RAM (read only)", "shard bytes / time"], restore_rows),
             "",
             "Writes of that state (throughput = shard bytes / median time; the last column compares with the raw "
             "upload over the same link):",
@@ -424,7 +426,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             "copy of the step, and the manifest as a separate last PUT; its median time is "
             f"{_x(r['remote_write_over_local_write_plus_raw_put'])} the sum of a `LocalTier.write` and a raw put. "
             f"A restore from S3 takes {_x(r['restore_remote_over_local'])} the time "
-            f"of one from warm local disk and {_x(r['restore_remote_over_memory'])} that of one from RAM; "
+            f"of one from warm local disk and {_x(r['restore_remote_over_memory'])} that of one from RAM (reads only); "
             f"against a raw `get` of the same bytes it is {_x(r['restore_remote_over_raw_get'])}.",
             "",
         ]
