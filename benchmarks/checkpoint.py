@@ -149,17 +149,18 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     dtype = torch.bfloat16 if args.dtype == "bf16" else None
     started = time.perf_counter()
     base = Path(tempfile.mkdtemp(prefix="lr-bench-ckpt-", dir=args.tmpdir))
-    shm, in_ram = ram_dir("lr-bench-dcp-")
     _init_single_rank_group(base)
+    wl = GPTWorkload(cfg, args.batch_size, device=args.device, dtype=dtype)
+    wl.step()  # AdamW allocates its state on the first step: from here on the state has its full size
+    n_params = sum(p.numel() for p in wl.model.parameters())
+    state_bytes = sum(t.numel() * t.element_size() for t in _tensors(wl.state()))
+    # two DCP executors keep two saves each in RAM; a small /dev/shm (a container's 64 MB) is not used
+    shm, in_ram = ram_dir("lr-bench-dcp-", need_bytes=5 * state_bytes)
     try:
-        wl = GPTWorkload(cfg, args.batch_size, device=args.device, dtype=dtype)
-        wl.step()  # AdamW allocates its state on the first step: from here on the state has its full size
-        n_params = sum(p.numel() for p in wl.model.parameters())
-        state_bytes = sum(t.numel() * t.element_size() for t in _tensors(wl.state()))
         print_flush(
             f"[checkpoint] {args.preset}: {n_params / 1e6:.1f}M params, {state_bytes / 1e6:.0f} MB of state on "
             f"{machine.get('device', args.device)}; turns of {args.turn} x {args.rounds} rounds; dcp RAM dir "
-            f"{shm} ({'tmpfs' if in_ram else 'disk: no /dev/shm'})"
+            f"{shm} ({'tmpfs' if in_ram else 'disk: no /dev/shm with room'})"
         )
         ours = Ours(wl, base / "ours")
         dcps = [DcpBest(wl, shm / "thread", base / "dcp_thread", process=False)]

@@ -39,11 +39,11 @@ DISK_EVERY = 10
 pc = time.perf_counter
 
 
-def ram_dir(prefix: str) -> tuple[Path, bool]:
-    """A fresh directory in RAM (``/dev/shm``) when there is one, else in the temporary directory; and whether it is
-    in RAM."""
+def ram_dir(prefix: str, need_bytes: int = 0) -> tuple[Path, bool]:
+    """A fresh directory in RAM (``/dev/shm``) when there is one with ``need_bytes`` free, else in the temporary
+    directory; and whether it is in RAM."""
     shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= need_bytes:
         return Path(tempfile.mkdtemp(prefix=prefix, dir=shm)), True
     return Path(tempfile.mkdtemp(prefix=prefix)), False
 
