@@ -42,18 +42,17 @@ def _torchrun(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD_SIZE), "--max-restarts", "3",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(SCRIPT),
+        "--master-port", str(_free_port()), str(SCRIPT),  # the static rendezvous: the line users type
         "--ckpt-dir", str(run_dir / "ckpt"), "--out", str(run_dir / "weights.pt"), "--steps", str(STEPS), *args,
     ]  # fmt: skip
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         "OMP_NUM_THREADS": "1",
-        # With the agent's TCPStore shared (torch's default for c10d rendezvous), a restarted worker can read its
-        # peer's gloo address left in the store by the killed attempt and fail to connect, burning a restart
-        # (pytorch/pytorch#135712). A fresh store per attempt keeps each restart independent.
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        # no TORCH_DISABLE_SHARE_RDZV_TCP_STORE: ResilientDDPStrategy keeps each restart's keys apart in the agent's
+        # store, which outlives the attempts (docs/launching.md)
     }
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
     (run_dir / "torchrun.log").write_text(proc.stdout + "\n---- stderr ----\n" + proc.stderr)
     assert proc.returncode == 0, f"torchrun failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}"
