@@ -12,7 +12,7 @@ LINT_PATHS := lightning_resilience recipes hydra_plugins setup.py tests $(wildca
 repo_on_path = $(1) -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], \
 	'lightning_resilience_checkout.pth').write_text('$(CURDIR)\n')"
 
-.PHONY: venv nemo-venv demo launch-drills test lint typecheck unit bench gpu-check clean drills-data
+.PHONY: venv nemo-venv demo launch-drills test lint typecheck unit bench gpu-check clean drills-data drills
 
 $(STAMP): setup.cfg setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -82,3 +82,12 @@ clean:
 DRILL_N ?= 0
 drills-data: $(STAMP)
 	LR_DRILLS=all DRILL_N=$(DRILL_N) $(BIN)/python -m pytest -q -s tests/drills/test_data_drills.py
+
+# The randomized fault campaign (docs/reliability.md): N torchrun drills of the user's path, each with a random fault
+# (drill i from seed SEED + i; replay one with N=1 SEED=<its seed>), checked bitwise and for lost steps, corrupt
+# loads, deadlines and leftover processes. PUBLISH=1 writes docs/results/drill_campaign.json and the docs table.
+N ?= 10
+SEED ?= $(shell date +%Y%m%d)
+PUBLISH ?=
+drills: $(STAMP)
+	$(BIN)/python -m tests.drills.campaign --n $(N) --seed $(SEED) $(if $(PUBLISH),--publish)

@@ -11,7 +11,22 @@ step K, in launch ``L`` (``--fault-launch``) on its first torchrun attempt only:
   flight (K must be a persist step of the local tier; the stall is armed by the script that owns the tier);
 * ``sigterm-rank``: rank R receives SIGTERM (a preemption notice on one rank);
 * ``sigterm-launcher``: rank R sends SIGTERM to the torchrun launcher (the scheduler ends the job); the harness
-  relaunches it.
+  relaunches it;
+* ``sigkill-midstep``: rank R SIGKILLs itself inside step K + 1, after its backward (gradients all-reduced) and
+  before its optimizer step;
+* ``sigkill-restore``: ``sigkill``, then on the restarted attempt rank R is SIGKILLed while it reads its shard of
+  the restored step (armed by the script that owns the tier);
+* ``hang-collective``: rank R blocks inside the policy's per-step agreement of step K + 1 (armed through the side
+  groups' fault hook by the script); the other rank's deadline or the watchdog ends the attempt;
+* ``corrupt-shard`` / ``truncate-shard``: rank R flips bytes in (or cuts in half) the largest file of its newest
+  committed shard on disk, then SIGKILLs itself; the restart must not load that step;
+* ``enospc``: rank R's local-disk write of the persist step before K fails with ENOSPC half-way (a full disk, armed by
+  the script), training goes on, then rank R SIGKILLs itself at K; the restart must not load the failed step;
+* ``node-loss``: rank R's node is lost with its RAM and disk: its shards are deleted and it SIGKILLs itself.
+
+Every fault writes ``RUN/faults.jsonl`` (one line per fault: kind, rank, step, wall time, the step it damaged) before
+it fires; every attempt's report gives what the checkpoint directory held before the engine touched it
+(``committed``: step -> ranks), the restored step and the wall time of its first step.
 """
 
 from __future__ import annotations
@@ -19,8 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +48,21 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import Dataset
 
-FAULTS = ("none", "sigkill", "sigkill-persist", "sigterm-rank", "sigterm-launcher")
+FAULTS = (
+    "none",
+    "sigkill",
+    "sigkill-persist",
+    "sigterm-rank",
+    "sigterm-launcher",
+    "sigkill-midstep",
+    "sigkill-restore",
+    "hang-collective",
+    "corrupt-shard",
+    "truncate-shard",
+    "enospc",
+    "node-loss",
+)
+PERSIST_EVERY = 10  # the local tier's cadence in the default preset (configs/resilience/checkpoint/local.yaml)
 START_LIMIT_S = 20.0  # a submitted persist reaches the disk within milliseconds
 
 
@@ -67,29 +99,102 @@ class Regressor(LightningModule):
 
 
 # ------------------------------------------------------------------------------------------------ drill plumbing
+_SHARD = re.compile(r"^rank_(\d+)$")
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def committed(ckpt_dir: Path) -> dict[int, list[int]]:
+    """Step -> ranks whose shard of it is committed (renamed into place) in the local tier's directory."""
+    out: dict[int, list[int]] = {}
+    if ckpt_dir.is_dir():
+        for step_dir in ckpt_dir.iterdir():
+            step = _STEP.match(step_dir.name)
+            if step is None or not step_dir.is_dir():
+                continue
+            ranks = sorted(int(m.group(1)) for e in step_dir.iterdir() if (m := _SHARD.match(e.name)) and e.is_dir())
+            if ranks:
+                out[int(step.group(1))] = ranks
+    return out
+
+
+def record_fault(run_dir: Path, **fields: Any) -> None:
+    """Append one fault to ``RUN/faults.jsonl`` (synced: the process may die right after)."""
+    with open(run_dir / "faults.jsonl", "a") as f:
+        f.write(json.dumps({"time": time.time(), **fields}, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _damage(shard: Path, how: str) -> None:
+    """Flip bytes in the middle of (or cut in half) the largest file of a committed shard, as bit rot or a torn write
+    leaves it; the manifest stays as it was."""
+    files = [f for f in shard.iterdir() if f.is_file() and f.name != "manifest.json"]
+    victim = max(files, key=lambda f: f.stat().st_size)
+    size = victim.stat().st_size
+    with open(victim, "r+b") as f:
+        if how == "truncate-shard":
+            f.truncate(size // 2)
+        else:
+            f.seek(size // 2)
+            data = f.read(16)
+            f.seek(size // 2)
+            f.write(bytes(b ^ 0xFF for b in data))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 class Fault(Callback):
     """Injects one fault on one rank (see the module docstring)."""
 
-    def __init__(self, kind: str, step: int, rank: int) -> None:
-        self.kind, self.step, self.rank = kind, step, rank
+    def __init__(self, kind: str, step: int, rank: int, run_dir: Path) -> None:
+        self.kind, self.step, self.rank, self.run_dir = kind, step, rank, run_dir
         self.in_flight = threading.Event()
-        """Set by an armed persist stall once the write of ``step`` is half-way through."""
+        """Set by an armed persist stall once the write of ``step`` is half-way through (``sigkill-persist``), or
+        once the failing write has failed (``enospc``)."""
+
+    def _record(self, **fields: Any) -> None:
+        record_fault(self.run_dir, kind=self.kind, rank=self.rank, step=self.step, **fields)
+
+    def _kill(self) -> None:
+        print(f"DRILL: rank {self.rank} {self.kind} after step {self.step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_before_optimizer_step(self, trainer: Trainer, *args: Any) -> None:
+        if self.kind == "sigkill-midstep" and trainer.global_rank == self.rank and trainer.global_step == self.step:
+            self._record()
+            self._kill()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.global_rank != self.rank or trainer.global_step != self.step:
             return
         if self.kind == "sigterm-rank":
+            self._record()
             print(f"DRILL: rank {self.rank} SIGTERM after step {self.step}", flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
         elif self.kind == "sigterm-launcher":
+            self._record()
             print(f"DRILL: rank {self.rank} SIGTERM to the launcher after step {self.step}", flush=True)
             os.kill(os.getppid(), signal.SIGTERM)
-        elif self.kind in ("sigkill", "sigkill-persist"):
-            # the persist of step K runs on the engine's thread: wait until it is half-way through the shard
-            if self.kind == "sigkill-persist" and not self.in_flight.wait(START_LIMIT_S):
-                raise RuntimeError(f"the persist of step {self.step} never started; cannot kill during it")
-            print(f"DRILL: rank {self.rank} SIGKILL after step {self.step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.kind in ("sigkill", "sigkill-restore", "sigkill-persist", "enospc"):
+            # the persist runs on the engine's thread: wait until it is half-way through the shard (or has failed)
+            if self.kind in ("sigkill-persist", "enospc") and not self.in_flight.wait(START_LIMIT_S):
+                raise RuntimeError(f"the persist before step {self.step} never started; cannot fault during it")
+            damaged = {"enospc": self.step // PERSIST_EVERY * PERSIST_EVERY, "sigkill-persist": self.step}
+            self._record(damaged=damaged.get(self.kind))
+            self._kill()
+        elif self.kind in ("corrupt-shard", "truncate-shard", "node-loss"):
+            mine = sorted(s for s, ranks in committed(self.run_dir / "ckpt").items() if self.rank in ranks)
+            shards = [self.run_dir / "ckpt" / f"step_{s:012d}" / f"rank_{self.rank:05d}" for s in mine]
+            if self.kind == "node-loss":
+                self._record(damaged=mine)
+                for shard in shards:  # the node's disk is gone with it
+                    shutil.rmtree(shard)
+            elif shards:
+                self._record(damaged=mine[-1])
+                _damage(shards[-1], self.kind)
+            else:
+                self._record(damaged=None)
+            self._kill()
 
 
 class Report(Callback):
@@ -111,6 +216,11 @@ class Report(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.report.update(restored_step=self.restored(trainer), start_step=trainer.global_step)
         self._write()
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if "first_step_time" not in self.report:  # the first step after the restore: the job is training again
+            self.report["first_step_time"] = time.time()
+            self._write()
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.report["final_step"] = trainer.global_step
@@ -135,9 +245,11 @@ def drill_callbacks(args: argparse.Namespace, restored: Callable[[Trainer], int 
     """This attempt's report, and the fault when this launch's first attempt is the one to hit."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     tag = f"launch{args.launch}_attempt{attempt}_rank{int(os.environ.get('RANK', '0'))}"
-    out: list[Any] = [Report(args.run_dir / "reports" / f"{tag}.json", {"launch": args.launch}, restored)]
-    if args.fault != "none" and attempt == 0 and args.launch == args.fault_launch:
-        out.append(Fault(args.fault, args.fault_step, args.fault_rank))
+    # what the checkpoint directory held before the engine touched it (the restart's own view of what is committed)
+    before = {"launch": args.launch, "committed": committed(args.run_dir / "ckpt"), "start_time": time.time()}
+    out: list[Any] = [Report(args.run_dir / "reports" / f"{tag}.json", before, restored)]
+    if args.fault not in ("none", "hang-collective") and attempt == 0 and args.launch == args.fault_launch:
+        out.append(Fault(args.fault, args.fault_step, args.fault_rank, args.run_dir))
     return out
 
 

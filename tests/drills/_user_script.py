@@ -15,8 +15,12 @@ preemption) ends the process with the suite's code, for the launcher to restart.
 
 from __future__ import annotations
 
+import argparse
+import errno
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -26,10 +30,21 @@ from torch.utils.data import DataLoader
 
 from lightning_resilience import DecidedExit, LocalTier, Suite, TieredCheckpoint
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
+from lightning_resilience.checkpoint.tree import TensorSpec
+from lightning_resilience.collective import set_fault_hook
 from lightning_resilience.config.registry import register_configs
 from lightning_resilience.lightning.suite import build_suite
 from tests.drills._train_script import _StallingSnapshot
-from tests.drills._user_code import AugmentedPoints, Fault, Regressor, drill_callbacks, parse, save_weights
+from tests.drills._user_code import (
+    PERSIST_EVERY,
+    AugmentedPoints,
+    Fault,
+    Regressor,
+    drill_callbacks,
+    parse,
+    record_fault,
+    save_weights,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,16 +57,93 @@ def default_preset_callbacks(run_dir: Path) -> list[Callback]:
     return build_suite(cfg.resilience)
 
 
+HANG_LIMIT_S = 600.0  # a hung rank outlives every deadline of the drill: the launcher ends it long before
+
+
+class _FullDiskSnapshot(StagedSnapshot):
+    """A snapshot whose writer finds the disk full after the data files are written, before the manifest."""
+
+    def __init__(self, snap: StagedSnapshot) -> None:
+        super().__init__(snap.step, snap.skeleton, snap.tensors, dict(snap.meta))
+
+    def specs(self) -> dict[str, TensorSpec]:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "manifest.json")
+
+
+def _local_tier(callbacks: list[Callback]) -> LocalTier:
+    tiered = next(c for c in callbacks if isinstance(c, TieredCheckpoint))
+    return next(t for t in tiered.tiers if isinstance(t, LocalTier))
+
+
 def arm_persist_stall(fault: Fault, callbacks: list[Callback]) -> None:
     """Make the local tier's write of the fault's step stall after its data files, before its manifest."""
-    tiered = next(c for c in callbacks if isinstance(c, TieredCheckpoint))
-    local = next(t for t in tiered.tiers if isinstance(t, LocalTier))
+    local = _local_tier(callbacks)
     write, step, stalled = local.write, fault.step, fault.in_flight
 
     def stalling_write(snap: StagedSnapshot) -> None:
         write(_StallingSnapshot(snap, stalled) if snap.step == step else snap)
 
     local.write = stalling_write  # type: ignore[method-assign]
+
+
+def arm_full_disk(fault: Fault, callbacks: list[Callback]) -> None:
+    """Make the local tier's write of the persist step before the fault's step fail with ENOSPC half-way."""
+    local = _local_tier(callbacks)
+    write, step, failed = local.write, fault.step // PERSIST_EVERY * PERSIST_EVERY, fault.in_flight
+
+    def full_disk_write(snap: StagedSnapshot) -> None:
+        if snap.step != step:
+            return write(snap)
+        try:
+            write(_FullDiskSnapshot(snap))
+        finally:
+            failed.set()
+
+    local.write = full_disk_write  # type: ignore[method-assign]
+
+
+def arm_restore_kill(args: argparse.Namespace, callbacks: list[Callback]) -> None:
+    """Make this rank die while it restores: SIGKILL once its shard of the restored step is read, before the ranks
+    agree on it."""
+    local = _local_tier(callbacks)
+    read = local.read
+
+    def dying_read(step: int) -> StagedSnapshot:
+        snap = read(step)
+        record_fault(args.run_dir, kind="sigkill-restore", rank=args.fault_rank, step=step, damaged=None)
+        print(f"DRILL: rank {args.fault_rank} SIGKILL while restoring step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return snap
+
+    local.read = dying_read  # type: ignore[method-assign]
+
+
+def arm_collective_hang(args: argparse.Namespace) -> None:
+    """Make this rank block inside the policy's per-step agreement once step ``--fault-step`` is done."""
+
+    def hang(op: str, rank: int, step: int | None) -> None:
+        if op == "decide" and step == args.fault_step + 1:
+            record_fault(args.run_dir, kind="hang-collective", rank=rank, step=args.fault_step, damaged=None)
+            print(f"DRILL: rank {rank} hangs in {op!r} of step {step}", flush=True)
+            threading.Event().wait(HANG_LIMIT_S)
+
+    set_fault_hook(hang)
+
+
+def arm(args: argparse.Namespace, extra: list[Callback], callbacks: list[Callback]) -> None:
+    """The faults that reach inside the library's tiers and side groups, on the rank they hit."""
+    rank, attempt = int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if rank != args.fault_rank or args.launch != args.fault_launch:
+        return
+    fault = next((f for f in extra if isinstance(f, Fault)), None)
+    if fault is not None and fault.kind == "sigkill-persist":
+        arm_persist_stall(fault, callbacks)
+    elif fault is not None and fault.kind == "enospc":
+        arm_full_disk(fault, callbacks)
+    elif args.fault == "sigkill-restore" and attempt == 1:
+        arm_restore_kill(args, callbacks)
+    elif args.fault == "hang-collective" and attempt == 0:
+        arm_collective_hang(args)
 
 
 def _restored(trainer: Trainer) -> int | None:
@@ -68,9 +160,7 @@ def main(argv: list[str]) -> int:
     callbacks = default_preset_callbacks(args.run_dir)
     # ---- the drill's additions
     extra = drill_callbacks(args, _restored)
-    stall = [f for f in extra if isinstance(f, Fault) and f.kind == "sigkill-persist"]
-    if stall and int(os.environ.get("RANK", "0")) == stall[0].rank:
-        arm_persist_stall(stall[0], callbacks)
+    arm(args, extra, callbacks)
     # ---- the user's script
     trainer = Trainer(
         max_steps=args.steps,

@@ -1,0 +1,306 @@
+"""A randomized fault campaign on the user's path: ``make drills N=... SEED=...``.
+
+Each drill is a real torchrun job of ``tests/drills/_user_script.py`` (plain ``DataLoader(shuffle=True)``, the default
+preset, 2 ranks, gloo, CPU) hit by one fault drawn at random (``tests/drills/_user_code.py`` lists them), and is checked
+against four invariants:
+
+* **bitwise exact**: the final weights equal those of an uninterrupted run (one reference run per loader
+  configuration, cached for the campaign);
+* **no lost committed step, no load of a corrupt step**: every attempt after the fault restores exactly the newest
+  step that every rank had committed on disk when it started, leaving out the steps the fault damaged (a corrupt or
+  truncated shard, a write that hit ENOSPC, a persist killed half-way);
+* **no wait longer than its deadline**: every launch is bounded (``Drill.timeout_s``) and the time to recover, from
+  the fault to the first step after the restore, stays within the fault's deadline (:data:`DEADLINE_S`);
+* **no leftover process**: once the job has ended, no process of the drill (launcher, ranks, loader workers) is left.
+
+Drill ``i`` of a campaign with seed ``S`` is drawn from seed ``S + i`` alone, so ``make drills N=1 SEED=<S + i>``
+replays it. Results go to a JSON file; ``--publish`` also regenerates the campaign table of docs/reliability.md from
+it (``--docs-only`` does that without running anything).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from tests.drills._harness import ROOT, Drill, DrillResult, first_difference, run_drill
+from tests.drills._user_code import FAULTS, PERSIST_EVERY
+
+STEPS = 40
+RESULTS = ROOT / "docs" / "results" / "drill_campaign.json"
+DOCS = ROOT / "docs" / "reliability.md"
+BEGIN, END = "<!-- drill-campaign:begin -->", "<!-- drill-campaign:end -->"
+RESTART_S = 120.0
+"""Time a restart of the job may take on a loaded 2-core machine: torchrun's restart, imports, rendezvous, restore."""
+HANG_DETECTION_S = 60.0
+"""The watchdog's deadline for a hang once its timeouts are calibrated (``ft.min_timeout_s`` of the default preset)."""
+DEADLINE_S = {kind: RESTART_S for kind in FAULTS} | {"hang-collective": HANG_DETECTION_S + RESTART_S}
+"""Longest time to recover, per fault: from the fault to the first step after the restore."""
+LEFTOVER_GRACE_S = 15.0
+"""How long the processes of an ended job may take to go (a killed rank's loader workers notice their parent died)."""
+
+
+def draw(seed: int, steps: int = STEPS) -> Drill:
+    """The drill of ``seed``: a fault kind, rank, step and loader worker count, all at random."""
+    rng = random.Random(seed)
+    fault = rng.choice(FAULTS[1:])
+    persist_steps = range(PERSIST_EVERY, steps, PERSIST_EVERY)
+    if fault == "sigkill-persist":
+        step = rng.choice(persist_steps)
+    elif fault == "enospc":  # the persist of P fails, the kill comes before the next persist is due
+        step = rng.choice(persist_steps) + rng.randint(2, PERSIST_EVERY - 2)
+    elif fault.startswith("sigterm"):  # a stop is agreed on a step or two after the signal: leave room
+        step = rng.randint(2, steps - 10)
+    elif fault in ("sigkill-restore", "corrupt-shard", "truncate-shard"):  # something committed to restore or damage
+        step = rng.randint(PERSIST_EVERY + 2, steps - 2)
+    else:
+        step = rng.randint(2, steps - 3)
+    return Drill(fault=fault, step=step, rank=rng.randint(0, 1), workers=rng.choice((0, 2)), steps=steps)
+
+
+@dataclass
+class Outcome:
+    """What one drill did and whether it kept every invariant."""
+
+    seed: int
+    fault: str
+    rank: int
+    step: int
+    workers: int
+    wall_s: float
+    problems: list[str] = field(default_factory=list)
+    recovery_s: float | None = None
+    restored: list[int | None] = field(default_factory=list)
+    """The step each attempt after the fault restored (rank 0's view; every rank is checked)."""
+    damaged: list[int] = field(default_factory=list)
+    run_dir: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def replay(self) -> str:
+        return f"make drills N=1 SEED={self.seed}"
+
+
+def _faults(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "faults.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _damaged(faults: list[dict[str, Any]]) -> set[int]:
+    out: set[int] = set()
+    for fault in faults:
+        damaged = fault.get("damaged")
+        out |= set(damaged) if isinstance(damaged, list) else {damaged} if damaged is not None else set()
+    return out
+
+
+def _newest_complete(committed: dict[str, list[int]], world_size: int, damaged: set[int]) -> int | None:
+    steps = [int(s) for s, ranks in committed.items() if len(ranks) == world_size and int(s) not in damaged]
+    return max(steps, default=None)
+
+
+def _leftovers(run_dir: Path) -> list[str]:
+    """Processes of the drill still alive once the job ended (they all carry the run directory on their command
+    line); waits up to :data:`LEFTOVER_GRACE_S` for them to go, then kills them and names them."""
+    mine = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if str(run_dir) in " ".join(proc.info["cmdline"] or []):
+            mine.append(proc)
+    _, alive = psutil.wait_procs(mine, timeout=LEFTOVER_GRACE_S)
+    names = [f"pid {p.pid}: {' '.join(p.info['cmdline'] or [])[:160]}" for p in alive]
+    for proc in alive:
+        proc.kill()
+    return names
+
+
+def check(result: DrillResult, reference: dict[str, torch.Tensor], outcome: Outcome) -> None:
+    """Fill ``outcome.problems`` with every invariant the drill broke."""
+    drill, problems = result.drill, outcome.problems
+    diff = first_difference(result.weights(), reference)
+    if diff is not None:
+        problems.append(f"final weights differ from the uninterrupted run: {diff}")
+    if len(result.finished) != drill.world_size:
+        problems.append(f"{len(result.finished)} ranks finished, not {drill.world_size}")
+    faults = _faults(result.run_dir)
+    if not faults:
+        problems.append("the fault never fired")
+        return
+    fault_time = faults[0]["time"]
+    damaged = _damaged(faults)
+    outcome.damaged = sorted(damaged)
+    after = sorted(
+        (key, r) for key, r in result.reports.items() if r["start_time"] > fault_time and "restored_step" in r
+    )
+    if not after:
+        problems.append("no attempt came up after the fault")
+        return
+    for (launch, attempt, rank), report in after:
+        expected = _newest_complete(report["committed"], drill.world_size, damaged)
+        restored = report["restored_step"]
+        if rank == 0:
+            outcome.restored.append(restored)
+        if restored in damaged:
+            problems.append(f"launch {launch} attempt {attempt} rank {rank} loaded the damaged step {restored}")
+        elif restored != expected:
+            problems.append(
+                f"launch {launch} attempt {attempt} rank {rank} restored step {restored}, but the newest step "
+                f"committed on every rank was {expected} (on disk: {report['committed']}, damaged: {sorted(damaged)})"
+            )
+    first_steps = [r["first_step_time"] for _, r in after if "first_step_time" in r]
+    if first_steps:
+        outcome.recovery_s = round(min(first_steps) - fault_time, 2)
+        if outcome.recovery_s > DEADLINE_S[drill.fault]:
+            problems.append(f"recovery took {outcome.recovery_s} s, over its deadline of {DEADLINE_S[drill.fault]} s")
+    else:
+        problems.append("no step ran after the restore")
+
+
+class References:
+    """One uninterrupted run per loader configuration, run on first use and kept for the campaign."""
+
+    def __init__(self, root: Path, steps: int = STEPS) -> None:
+        self.root, self.steps = root, steps
+        self._weights: dict[int, dict[str, torch.Tensor]] = {}
+
+    def __getitem__(self, workers: int) -> dict[str, torch.Tensor]:
+        if workers not in self._weights:
+            result = run_drill(Drill(workers=workers, steps=self.steps), self.root / f"reference_w{workers}")
+            assert all(r["restored_step"] is None for r in result.reports.values()), "the reference restored"
+            self._weights[workers] = result.weights()
+        return self._weights[workers]
+
+
+def run_one(seed: int, references: References, root: Path) -> Outcome:
+    """Draw the drill of ``seed``, run it in ``root/drill_<seed>`` and check it."""
+    drill = draw(seed, references.steps)
+    reference = references[drill.workers]
+    run_dir = root / f"drill_{seed}"
+    outcome = Outcome(seed, drill.fault, drill.rank, drill.step, drill.workers, 0.0, run_dir=str(run_dir))
+    start = time.perf_counter()
+    try:
+        result = run_drill(drill, run_dir)
+    except Exception as err:  # a launch that failed (AssertionError) or ran past its bound (TimeoutExpired)
+        outcome.problems.append(f"the job did not finish: {type(err).__name__}: {str(err)[-3000:]}")
+    else:
+        check(result, reference, outcome)
+    outcome.wall_s = round(time.perf_counter() - start, 2)
+    leftovers = _leftovers(run_dir)
+    if leftovers:
+        outcome.problems.append(f"processes left after the job ended: {leftovers}")
+    return outcome
+
+
+def run_campaign(seed: int, n: int, root: Path, steps: int = STEPS, log: Any = print) -> list[Outcome]:
+    """Drills ``seed .. seed + n - 1``, one after the other; each outcome is logged as it ends."""
+    references = References(root, steps)
+    outcomes = []
+    for index in range(n):
+        outcome = run_one(seed + index, references, root)
+        outcomes.append(outcome)
+        status = "ok" if outcome.ok else "FAILED: " + " | ".join(outcome.problems)
+        log(
+            f"[{index + 1}/{n}] seed {outcome.seed}: {outcome.fault} rank {outcome.rank} step {outcome.step} "
+            f"workers {outcome.workers}: {status} (recovered in {outcome.recovery_s} s, drill {outcome.wall_s} s; "
+            f"replay: {outcome.replay()})"
+        )
+    return outcomes
+
+
+# ---------------------------------------------------------------------------------------------- results and docs
+def table(results: dict[str, Any]) -> str:
+    """The campaign table (fault x drills x outcome x time to recover) of a results file, as Markdown."""
+    rows = [
+        "| fault | drills | passed | failed | time to recover, median (s) | max (s) | deadline (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    drills = results["drills"]
+    for kind in FAULTS[1:]:
+        mine = [d for d in drills if d["fault"] == kind]
+        if not mine:
+            rows.append(f"| {kind} | 0 | - | - | - | - | {DEADLINE_S[kind]:.0f} |")
+            continue
+        passed = sum(not d["problems"] for d in mine)
+        times = [d["recovery_s"] for d in mine if d["recovery_s"] is not None]
+        median = f"{statistics.median(times):.1f}" if times else "-"
+        worst = f"{max(times):.1f}" if times else "-"
+        counts = f"{len(mine)} | {passed} | {len(mine) - passed}"
+        rows.append(f"| {kind} | {counts} | {median} | {worst} | {DEADLINE_S[kind]:.0f} |")
+    total = len(drills)
+    failed = [d for d in drills if d["problems"]]
+    rows.append(f"| **all** | **{total}** | **{total - len(failed)}** | **{len(failed)}** | | | |")
+    lines = [
+        BEGIN,
+        f"Campaign of {total} drills, seeds {results['seed']} to {results['seed'] + total - 1}, "
+        f"{results['steps']} steps each, run in {results['elapsed_s'] / 60:.0f} min on {results['machine']} "
+        f"(`{results['command']}`, {results['date']}).",
+        "",
+        *rows,
+    ]
+    if failed:
+        lines += ["", "Failed drills (replay with the command given):", ""]
+        for d in failed:
+            lines.append(f"- `make drills N=1 SEED={d['seed']}` ({d['fault']}): {'; '.join(d['problems'])[:400]}")
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def publish(results_path: Path = RESULTS, docs: Path = DOCS) -> None:
+    """Regenerate the campaign table of ``docs`` from ``results_path``."""
+    text = docs.read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    docs.write_text(text[:start] + table(json.loads(results_path.read_text())) + text[end:])
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=10, help="number of drills")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the first drill (default: the time)")
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--results", type=Path, default=None, help=f"results file (with --publish: {RESULTS})")
+    parser.add_argument("--publish", action="store_true", help="write the results and docs/reliability.md's table")
+    parser.add_argument("--docs-only", action="store_true", help="regenerate the table from the results file")
+    parser.add_argument("--root", type=Path, default=None, help="where the drills run (default: a temporary dir)")
+    args = parser.parse_args(argv)
+    if args.docs_only:
+        publish(args.results or RESULTS)
+        return 0
+    seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
+    print(f"drill campaign: {args.n} drills from seed {seed} (replay one: make drills N=1 SEED=<its seed>)", flush=True)
+    start = time.perf_counter()
+    root = args.root or Path(tempfile.mkdtemp(prefix="drills_"))
+    outcomes = run_campaign(seed, args.n, root, args.steps, log=lambda line: print(line, flush=True))
+    results = {
+        "seed": seed,
+        "n": args.n,
+        "steps": args.steps,
+        "command": f"make drills N={args.n} SEED={seed}",
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "machine": f"{psutil.cpu_count()} CPU cores, 2 ranks (gloo)",
+        "elapsed_s": round(time.perf_counter() - start, 1),
+        "drills": [asdict(o) for o in outcomes],
+    }
+    path = args.results or (RESULTS if args.publish else root / "results.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    print(table(results))
+    print(f"results: {path}; drills ran in {root}")
+    if args.publish:
+        publish(path)
+    return 1 if any(not o.ok for o in outcomes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
