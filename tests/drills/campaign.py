@@ -203,10 +203,14 @@ def run_one(seed: int, references: References, root: Path) -> Outcome:
     return outcome
 
 
-def run_campaign(seed: int, n: int, root: Path, steps: int = STEPS, log: Any = print) -> list[Outcome]:
-    """Drills ``seed .. seed + n - 1``, one after the other; each outcome is logged as it ends."""
+def run_campaign(
+    seed: int, n: int, root: Path, results_path: Path, steps: int = STEPS, log: Any = print
+) -> list[Outcome]:
+    """Drills ``seed .. seed + n - 1``, one after the other; each outcome is logged as it ends and the results file
+    is rewritten after every drill (a campaign cut short still leaves what ran)."""
     references = References(root, steps)
-    outcomes = []
+    outcomes: list[Outcome] = []
+    start = time.perf_counter()
     for index in range(n):
         outcome = run_one(seed + index, references, root)
         outcomes.append(outcome)
@@ -216,6 +220,19 @@ def run_campaign(seed: int, n: int, root: Path, steps: int = STEPS, log: Any = p
             f"workers {outcome.workers}: {status} (recovered in {outcome.recovery_s} s, drill {outcome.wall_s} s; "
             f"replay: {outcome.replay()})"
         )
+        results = {
+            "seed": seed,
+            "n": n,
+            "steps": steps,
+            "command": f"make drills N={n} SEED={seed}",
+            "date": time.strftime("%Y-%m-%d", time.gmtime()),
+            "machine": f"{psutil.cpu_count()} CPU cores (shared), 2 ranks (gloo)",
+            "elapsed_s": round(time.perf_counter() - start, 1),
+            "drills": [asdict(o) for o in outcomes],
+        }
+        tmp = results_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=1) + "\n")
+        tmp.replace(results_path)
     return outcomes
 
 
@@ -243,7 +260,9 @@ def table(results: dict[str, Any]) -> str:
     rows.append(f"| **all** | **{total}** | **{total - len(failed)}** | **{len(failed)}** | | | |")
     lines = [
         BEGIN,
-        f"Campaign of {total} drills, seeds {results['seed']} to {results['seed'] + total - 1}, "
+        f"Campaign of {total} drills"
+        + (f" (of {results['n']} planned, cut short by the time available)" if total < results["n"] else "")
+        + f", seeds {results['seed']} to {results['seed'] + total - 1}, "
         f"{results['steps']} steps each, run in {results['elapsed_s'] / 60:.0f} min on {results['machine']} "
         f"(`{results['command']}`, {results['date']}).",
         "",
@@ -279,22 +298,11 @@ def main(argv: list[str]) -> int:
         return 0
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     print(f"drill campaign: {args.n} drills from seed {seed} (replay one: make drills N=1 SEED=<its seed>)", flush=True)
-    start = time.perf_counter()
     root = args.root or Path(tempfile.mkdtemp(prefix="drills_"))
-    outcomes = run_campaign(seed, args.n, root, args.steps, log=lambda line: print(line, flush=True))
-    results = {
-        "seed": seed,
-        "n": args.n,
-        "steps": args.steps,
-        "command": f"make drills N={args.n} SEED={seed}",
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "machine": f"{psutil.cpu_count()} CPU cores, 2 ranks (gloo)",
-        "elapsed_s": round(time.perf_counter() - start, 1),
-        "drills": [asdict(o) for o in outcomes],
-    }
     path = args.results or (RESULTS if args.publish else root / "results.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1) + "\n")
+    outcomes = run_campaign(seed, args.n, root, path, args.steps, log=lambda line: print(line, flush=True))
+    results = json.loads(path.read_text())
     print(table(results))
     print(f"results: {path}; drills ran in {root}")
     if args.publish:
