@@ -85,9 +85,12 @@ drills-data: $(STAMP)
 
 # The randomized fault campaign (docs/reliability.md): N torchrun drills of the user's path, each with a random fault
 # (drill i from seed SEED + i; replay one with N=1 SEED=<its seed>), checked bitwise and for lost steps, corrupt
-# loads, deadlines and leftover processes. PUBLISH=1 writes docs/results/drill_campaign.json and the docs table.
+# loads, deadlines and leftover processes. FAULTS=kind,kind draws from those kinds only; PUBLISH=1 writes
+# docs/results/drill_campaign_<SEED>.json and regenerates the table of docs/reliability.md from every published one.
 N ?= 10
 SEED ?= $(shell date +%Y%m%d)
+FAULTS ?=
 PUBLISH ?=
 drills: $(STAMP)
-	$(BIN)/python -m tests.drills.campaign --n $(N) --seed $(SEED) $(if $(PUBLISH),--publish)
+	$(BIN)/python -m tests.drills.campaign --n $(N) --seed $(SEED) $(if $(FAULTS),--faults $(FAULTS)) \
+		$(if $(PUBLISH),--publish)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tests.drills._user_code import FAULTS
+from tests.drills._user_code import CHECKPOINTS, FAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 USER_SCRIPT = ROOT / "tests" / "drills" / "_user_script.py"
@@ -52,22 +52,33 @@ class Drill:
     script: Path = USER_SCRIPT
     timeout_s: float = 240.0
     """Bound on each launch (a hang fails the drill instead of blocking the suite)."""
+    checkpoint: str = "local"
+    """The checkpoint preset (``--checkpoint`` of the script, see ``tests/drills/_user_code.py``)."""
 
     def __post_init__(self) -> None:
         if self.fault not in FAULTS:
             raise ValueError(f"fault must be one of {FAULTS}, got {self.fault!r}")
         if self.fault != "none" and not 0 < self.step < self.steps:
             raise ValueError(f"step must be in (0, steps={self.steps}), got {self.step}")
+        if self.checkpoint not in CHECKPOINTS:
+            raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {self.checkpoint!r}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
 
     @property
     def reference(self) -> Drill:
         """The same run without a fault."""
-        return Drill(workers=self.workers, steps=self.steps, world_size=self.world_size, script=self.script)
+        return Drill(
+            workers=self.workers,
+            steps=self.steps,
+            world_size=self.world_size,
+            script=self.script,
+            checkpoint=self.checkpoint,
+        )
 
     def describe(self) -> str:
-        return f"{self.fault} rank {self.rank} step {self.step} (workers={self.workers}, steps={self.steps})"
+        where = "" if self.checkpoint == "local" else f", checkpoint={self.checkpoint}"
+        return f"{self.fault} rank {self.rank} step {self.step} (workers={self.workers}, steps={self.steps}{where})"
 
 
 @dataclass
@@ -135,6 +146,8 @@ def run_drill(drill: Drill, run_dir: Path, max_launches: int = 2) -> DrillResult
             "--fault", drill.fault, "--fault-step", str(drill.step), "--fault-rank", str(drill.rank),
             "--launch", str(launch), "--fault-launch", "0",
         ]  # fmt: skip
+        if drill.checkpoint != "local":
+            args += ["--checkpoint", drill.checkpoint]
         proc = subprocess.run(
             launch_command(drill, args), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=drill.timeout_s
         )

@@ -22,7 +22,9 @@ step K, in launch ``L`` (``--fault-launch``) on its first torchrun attempt only:
   committed shard on disk, then SIGKILLs itself; the restart must not load that step;
 * ``enospc``: rank R's local-disk write of the persist step before K fails with ENOSPC half-way (a full disk, armed by
   the script), training goes on, then rank R SIGKILLs itself at K; the restart must not load the failed step;
-* ``node-loss``: rank R's node is lost with its RAM and disk: its shards are deleted and it SIGKILLs itself.
+* ``node-loss``: rank R's node is lost with its RAM and disk: its shards are deleted and it SIGKILLs itself;
+* ``sigkill-peer-send``: with ``--checkpoint tiered`` (a peer tier), rank R is SIGKILLed as it starts sending its
+  shard of peer step K to its peer, which is waiting to receive it (armed by the script that owns the tier).
 
 Every fault writes ``RUN/faults.jsonl`` (one line per fault: kind, rank, step, wall time, the step it damaged) before
 it fires; every attempt's report gives what the checkpoint directory held before the engine touched it
@@ -61,7 +63,11 @@ FAULTS = (
     "truncate-shard",
     "enospc",
     "node-loss",
+    "sigkill-peer-send",
 )
+CHECKPOINTS = ("local", "tiered")
+"""``--checkpoint``: the checkpoint preset of ``resilience=default`` (``local``) or ``resilience/checkpoint=tiered``
+(RAM, a peer tier every 5 steps with each of the 2 ranks its own node, local disk every 20 steps)."""
 PERSIST_EVERY = 10  # the local tier's cadence in the default preset (configs/resilience/checkpoint/local.yaml)
 START_LIMIT_S = 20.0  # a submitted persist reaches the disk within milliseconds
 
@@ -103,8 +109,18 @@ _SHARD = re.compile(r"^rank_(\d+)$")
 _STEP = re.compile(r"^step_(\d+)$")
 
 
-def committed(ckpt_dir: Path) -> dict[int, list[int]]:
-    """Step -> ranks whose shard of it is committed (renamed into place) in the local tier's directory."""
+def committed(run_dir: Path) -> dict[int, list[int]]:
+    """Step -> ranks whose shard of it is committed in some tier on disk: the local tier's directory and the peer
+    tier's node directories (a rank's own shards and the copies it holds for its peer)."""
+    out: dict[int, set[int]] = {}
+    for directory in [run_dir / "ckpt", *sorted((run_dir / "peer").glob("node*"))]:
+        for step, ranks in committed_in(directory).items():
+            out.setdefault(step, set()).update(ranks)
+    return {step: sorted(ranks) for step, ranks in out.items()}
+
+
+def committed_in(ckpt_dir: Path) -> dict[int, list[int]]:
+    """Step -> ranks whose shard of it is committed (renamed into place) in one tier's directory."""
     out: dict[int, list[int]] = {}
     if ckpt_dir.is_dir():
         for step_dir in ckpt_dir.iterdir():
@@ -183,7 +199,7 @@ class Fault(Callback):
             self._record(damaged=damaged.get(self.kind))
             self._kill()
         elif self.kind in ("corrupt-shard", "truncate-shard", "node-loss"):
-            mine = sorted(s for s, ranks in committed(self.run_dir / "ckpt").items() if self.rank in ranks)
+            mine = sorted(s for s, ranks in committed_in(self.run_dir / "ckpt").items() if self.rank in ranks)
             shards = [self.run_dir / "ckpt" / f"step_{s:012d}" / f"rank_{self.rank:05d}" for s in mine]
             if self.kind == "node-loss":
                 self._record(damaged=mine)
@@ -238,6 +254,7 @@ def parse(argv: list[str], description: str) -> argparse.Namespace:
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--launch", type=int, default=0, help="which launch of the job this is (the harness counts)")
     parser.add_argument("--fault-launch", type=int, default=0)
+    parser.add_argument("--checkpoint", choices=CHECKPOINTS, default="local", help="the checkpoint preset")
     return parser.parse_args(argv)
 
 
@@ -246,9 +263,10 @@ def drill_callbacks(args: argparse.Namespace, restored: Callable[[Trainer], int 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     tag = f"launch{args.launch}_attempt{attempt}_rank{int(os.environ.get('RANK', '0'))}"
     # what the checkpoint directory held before the engine touched it (the restart's own view of what is committed)
-    before = {"launch": args.launch, "committed": committed(args.run_dir / "ckpt"), "start_time": time.time()}
+    before = {"launch": args.launch, "committed": committed(args.run_dir), "start_time": time.time()}
     out: list[Any] = [Report(args.run_dir / "reports" / f"{tag}.json", before, restored)]
-    if args.fault not in ("none", "hang-collective") and attempt == 0 and args.launch == args.fault_launch:
+    in_plumbing = ("none", "hang-collective", "sigkill-peer-send")  # armed by the script inside our tiers and groups
+    if args.fault not in in_plumbing and attempt == 0 and args.launch == args.fault_launch:
         out.append(Fault(args.fault, args.fault_step, args.fault_rank, args.run_dir))
     return out
 

@@ -28,7 +28,7 @@ from hydra import compose, initialize_config_dir
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.utils.data import DataLoader
 
-from lightning_resilience import DecidedExit, LocalTier, Suite, TieredCheckpoint
+from lightning_resilience import DecidedExit, LocalTier, PeerTier, Suite, TieredCheckpoint
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tree import TensorSpec
 from lightning_resilience.collective import set_fault_hook
@@ -49,11 +49,15 @@ from tests.drills._user_code import (
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def default_preset_callbacks(run_dir: Path) -> list[Callback]:
-    """The callbacks of ``resilience=default``, composed and built the way the recipes do it."""
+def default_preset_callbacks(run_dir: Path, checkpoint: str = "local") -> list[Callback]:
+    """The callbacks of ``resilience=default``, composed and built the way the recipes do it; ``checkpoint=tiered``
+    swaps in the tiered checkpoint preset (a peer tier), each of the 2 ranks standing for a node of its own."""
     register_configs()
+    overrides = [f"run_dir={run_dir}", "resilience=default"]
+    if checkpoint == "tiered":
+        overrides += ["resilience/checkpoint=tiered", "+resilience.checkpoint.tiers.1.ranks_per_node=1"]
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose("pretrain_gpt", overrides=[f"run_dir={run_dir}", "resilience=default"])
+        cfg = compose("pretrain_gpt", overrides=overrides)
     return build_suite(cfg.resilience)
 
 
@@ -118,6 +122,22 @@ def arm_restore_kill(args: argparse.Namespace, callbacks: list[Callback]) -> Non
     local.read = dying_read  # type: ignore[method-assign]
 
 
+def arm_peer_send_kill(args: argparse.Namespace, callbacks: list[Callback]) -> None:
+    """Make this rank die as it starts sending its shard of peer step ``--fault-step`` to its peer."""
+    tiered = next(c for c in callbacks if isinstance(c, TieredCheckpoint))
+    peer = next(t for t in tiered.tiers if isinstance(t, PeerTier))
+    exchange = peer._exchange
+
+    def dying_exchange(step: int, payload: bytes | None, target: int, source: int) -> bytes | None:
+        if step == args.fault_step:
+            record_fault(args.run_dir, kind="sigkill-peer-send", rank=args.fault_rank, step=step, damaged=None)
+            print(f"DRILL: rank {args.fault_rank} SIGKILL sending step {step} to rank {target}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return exchange(step, payload, target, source)
+
+    peer._exchange = dying_exchange  # type: ignore[method-assign]
+
+
 def arm_collective_hang(args: argparse.Namespace) -> None:
     """Make this rank block inside the policy's per-step agreement once step ``--fault-step`` is done."""
 
@@ -144,6 +164,8 @@ def arm(args: argparse.Namespace, extra: list[Callback], callbacks: list[Callbac
         arm_restore_kill(args, callbacks)
     elif args.fault == "hang-collective" and attempt == 0:
         arm_collective_hang(args)
+    elif args.fault == "sigkill-peer-send" and attempt == 0:
+        arm_peer_send_kill(args, callbacks)
 
 
 def _restored(trainer: Trainer) -> int | None:
@@ -157,7 +179,7 @@ def main(argv: list[str]) -> int:
     seed_everything(args.seed)
     loader = DataLoader(AugmentedPoints(), batch_size=8, shuffle=True, num_workers=args.workers)
     model = Regressor()
-    callbacks = default_preset_callbacks(args.run_dir)
+    callbacks = default_preset_callbacks(args.run_dir, args.checkpoint)
     # ---- the drill's additions
     extra = drill_callbacks(args, _restored)
     arm(args, extra, callbacks)

@@ -15,7 +15,7 @@ against four invariants:
 
 Drill ``i`` of a campaign with seed ``S`` is drawn from seed ``S + i`` alone, so ``make drills N=1 SEED=<S + i>``
 replays it. Results go to a JSON file; ``--publish`` also regenerates the campaign table of docs/reliability.md from
-it (``--docs-only`` does that without running anything).
+every published results file (``--docs-only`` does that without running anything).
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ from tests.drills._harness import ROOT, Drill, DrillResult, first_difference, ru
 from tests.drills._user_code import FAULTS, PERSIST_EVERY
 
 STEPS = 40
-RESULTS = ROOT / "docs" / "results" / "drill_campaign.json"
+PEER_EVERY = 5  # the peer tier's cadence in configs/resilience/checkpoint/tiered.yaml
+RESULTS_DIR = ROOT / "docs" / "results"
+"""Published campaigns: ``drill_campaign_<seed>.json``, one per campaign; docs/reliability.md's table merges them."""
 DOCS = ROOT / "docs" / "reliability.md"
 BEGIN, END = "<!-- drill-campaign:begin -->", "<!-- drill-campaign:end -->"
 RESTART_S = 120.0
@@ -51,22 +53,26 @@ LEFTOVER_GRACE_S = 15.0
 """How long the processes of an ended job may take to go (a killed rank's loader workers notice their parent died)."""
 
 
-def draw(seed: int, steps: int = STEPS) -> Drill:
-    """The drill of ``seed``: a fault kind, rank, step and loader worker count, all at random."""
+def draw(seed: int, steps: int = STEPS, faults: tuple[str, ...] = FAULTS[1:]) -> Drill:
+    """The drill of ``seed``: a fault kind (one of ``faults``), rank, step and loader worker count, all at random."""
     rng = random.Random(seed)
-    fault = rng.choice(FAULTS[1:])
+    fault = rng.choice(faults)
     persist_steps = range(PERSIST_EVERY, steps, PERSIST_EVERY)
     if fault == "sigkill-persist":
         step = rng.choice(persist_steps)
     elif fault == "enospc":  # the persist of P fails, the kill comes before the next persist is due
         step = rng.choice(persist_steps) + rng.randint(2, PERSIST_EVERY - 2)
+    elif fault == "sigkill-peer-send":  # the tiered preset's peer tier replicates every 5 steps
+        step = rng.choice(range(PEER_EVERY, steps, PEER_EVERY))
     elif fault.startswith("sigterm"):  # a stop is agreed on a step or two after the signal: leave room
         step = rng.randint(2, steps - 10)
     elif fault in ("sigkill-restore", "corrupt-shard", "truncate-shard"):  # something committed to restore or damage
         step = rng.randint(PERSIST_EVERY + 2, steps - 2)
     else:
         step = rng.randint(2, steps - 3)
-    return Drill(fault=fault, step=step, rank=rng.randint(0, 1), workers=rng.choice((0, 2)), steps=steps)
+    checkpoint = "tiered" if fault == "sigkill-peer-send" else "local"
+    rank, workers = rng.randint(0, 1), rng.choice((0, 2))
+    return Drill(fault=fault, step=step, rank=rank, workers=workers, steps=steps, checkpoint=checkpoint)
 
 
 @dataclass
@@ -78,20 +84,27 @@ class Outcome:
     rank: int
     step: int
     workers: int
-    wall_s: float
+    checkpoint: str
+    wall_s: float = 0.0
     problems: list[str] = field(default_factory=list)
     recovery_s: float | None = None
     restored: list[int | None] = field(default_factory=list)
     """The step each attempt after the fault restored (rank 0's view; every rank is checked)."""
     damaged: list[int] = field(default_factory=list)
     run_dir: str = ""
+    faults: str = ""
+    """The campaign's fault filter (``FAULTS=`` of the make target; empty: every kind)."""
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
     def replay(self) -> str:
-        return f"make drills N=1 SEED={self.seed}"
+        return replay_command(self.seed, self.faults)
+
+
+def replay_command(seed: int, faults: str = "", n: int = 1) -> str:
+    return f"make drills N={n} SEED={seed}" + (f" FAULTS={faults}" if faults else "")
 
 
 def _faults(run_dir: Path) -> list[dict[str, Any]]:
@@ -173,22 +186,26 @@ class References:
 
     def __init__(self, root: Path, steps: int = STEPS) -> None:
         self.root, self.steps = root, steps
-        self._weights: dict[int, dict[str, torch.Tensor]] = {}
+        self._weights: dict[Drill, dict[str, torch.Tensor]] = {}
 
-    def __getitem__(self, workers: int) -> dict[str, torch.Tensor]:
-        if workers not in self._weights:
-            result = run_drill(Drill(workers=workers, steps=self.steps), self.root / f"reference_w{workers}")
+    def __getitem__(self, drill: Drill) -> dict[str, torch.Tensor]:
+        """The final weights of ``drill`` without its fault."""
+        reference = drill.reference
+        if reference not in self._weights:
+            run_dir = self.root / f"reference_w{reference.workers}_{reference.checkpoint}"
+            result = run_drill(reference, run_dir)
             assert all(r["restored_step"] is None for r in result.reports.values()), "the reference restored"
-            self._weights[workers] = result.weights()
-        return self._weights[workers]
+            self._weights[reference] = result.weights()
+        return self._weights[reference]
 
 
-def run_one(seed: int, references: References, root: Path) -> Outcome:
+def run_one(seed: int, references: References, root: Path, faults: tuple[str, ...] = FAULTS[1:]) -> Outcome:
     """Draw the drill of ``seed``, run it in ``root/drill_<seed>`` and check it."""
-    drill = draw(seed, references.steps)
-    reference = references[drill.workers]
+    drill = draw(seed, references.steps, faults)
+    reference = references[drill]
     run_dir = root / f"drill_{seed}"
-    outcome = Outcome(seed, drill.fault, drill.rank, drill.step, drill.workers, 0.0, run_dir=str(run_dir))
+    outcome = Outcome(seed, drill.fault, drill.rank, drill.step, drill.workers, drill.checkpoint, run_dir=str(run_dir))
+    outcome.faults = "" if set(faults) == set(FAULTS[1:]) else ",".join(faults)
     start = time.perf_counter()
     try:
         result = run_drill(drill, run_dir)
@@ -204,7 +221,13 @@ def run_one(seed: int, references: References, root: Path) -> Outcome:
 
 
 def run_campaign(
-    seed: int, n: int, root: Path, results_path: Path, steps: int = STEPS, log: Any = print
+    seed: int,
+    n: int,
+    root: Path,
+    results_path: Path,
+    steps: int = STEPS,
+    faults: tuple[str, ...] = FAULTS[1:],
+    log: Any = print,
 ) -> list[Outcome]:
     """Drills ``seed .. seed + n - 1``, one after the other; each outcome is logged as it ends and the results file
     is rewritten after every drill (a campaign cut short still leaves what ran)."""
@@ -212,19 +235,19 @@ def run_campaign(
     outcomes: list[Outcome] = []
     start = time.perf_counter()
     for index in range(n):
-        outcome = run_one(seed + index, references, root)
+        outcome = run_one(seed + index, references, root, faults)
         outcomes.append(outcome)
         status = "ok" if outcome.ok else "FAILED: " + " | ".join(outcome.problems)
         log(
             f"[{index + 1}/{n}] seed {outcome.seed}: {outcome.fault} rank {outcome.rank} step {outcome.step} "
-            f"workers {outcome.workers}: {status} (recovered in {outcome.recovery_s} s, drill {outcome.wall_s} s; "
-            f"replay: {outcome.replay()})"
+            f"workers {outcome.workers} checkpoint {outcome.checkpoint}: {status} (recovered in "
+            f"{outcome.recovery_s} s, drill {outcome.wall_s} s; replay: {outcome.replay()})"
         )
         results = {
             "seed": seed,
             "n": n,
             "steps": steps,
-            "command": f"make drills N={n} SEED={seed}",
+            "command": replay_command(seed, outcome.faults, n),
             "date": time.strftime("%Y-%m-%d", time.gmtime()),
             "machine": f"{psutil.cpu_count()} CPU cores (shared), 2 ranks (gloo)",
             "elapsed_s": round(time.perf_counter() - start, 1),
@@ -237,13 +260,13 @@ def run_campaign(
 
 
 # ---------------------------------------------------------------------------------------------- results and docs
-def table(results: dict[str, Any]) -> str:
-    """The campaign table (fault x drills x outcome x time to recover) of a results file, as Markdown."""
+def table(campaigns: list[dict[str, Any]]) -> str:
+    """The campaign table (fault x drills x outcome x time to recover) of one or more results files, as Markdown."""
     rows = [
         "| fault | drills | passed | failed | time to recover, median (s) | max (s) | deadline (s) |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    drills = results["drills"]
+    drills = [d for c in campaigns for d in c["drills"]]
     for kind in FAULTS[1:]:
         mine = [d for d in drills if d["fault"] == kind]
         if not mine:
@@ -255,32 +278,32 @@ def table(results: dict[str, Any]) -> str:
         worst = f"{max(times):.1f}" if times else "-"
         counts = f"{len(mine)} | {passed} | {len(mine) - passed}"
         rows.append(f"| {kind} | {counts} | {median} | {worst} | {DEADLINE_S[kind]:.0f} |")
-    total = len(drills)
     failed = [d for d in drills if d["problems"]]
-    rows.append(f"| **all** | **{total}** | **{total - len(failed)}** | **{len(failed)}** | | | |")
-    lines = [
-        BEGIN,
-        f"Campaign of {total} drills"
-        + (f" (of {results['n']} planned, cut short by the time available)" if total < results["n"] else "")
-        + f", seeds {results['seed']} to {results['seed'] + total - 1}, "
-        f"{results['steps']} steps each, run in {results['elapsed_s'] / 60:.0f} min on {results['machine']} "
-        f"(`{results['command']}`, {results['date']}).",
-        "",
-        *rows,
-    ]
+    rows.append(f"| **all** | **{len(drills)}** | **{len(drills) - len(failed)}** | **{len(failed)}** | | | |")
+    lines = [BEGIN]
+    for c in campaigns:
+        ran = len(c["drills"])
+        short = f" (of {c['n']} planned, cut short by the time available)" if ran < c["n"] else ""
+        lines.append(
+            f"- `{c['command']}`: {ran} drills{short}, seeds {c['seed']} to {c['seed'] + ran - 1}, {c['steps']} "
+            f"steps each, {c['elapsed_s'] / 60:.0f} min on {c['machine']}, {c['date']}"
+        )
+    lines += ["", *rows]
     if failed:
         lines += ["", "Failed drills (replay with the command given):", ""]
         for d in failed:
-            lines.append(f"- `make drills N=1 SEED={d['seed']}` ({d['fault']}): {'; '.join(d['problems'])[:400]}")
+            lines.append(f"- `{replay_command(d['seed'], d.get('faults', ''))}` ({d['fault']}): "
+                         f"{'; '.join(d['problems'])[:400]}")  # fmt: skip
     lines.append(END)
     return "\n".join(lines)
 
 
-def publish(results_path: Path = RESULTS, docs: Path = DOCS) -> None:
-    """Regenerate the campaign table of ``docs`` from ``results_path``."""
+def publish(results_dir: Path = RESULTS_DIR, docs: Path = DOCS) -> None:
+    """Regenerate the campaign table of ``docs`` from every results file in ``results_dir``."""
+    campaigns = [json.loads(p.read_text()) for p in sorted(results_dir.glob("drill_campaign_*.json"))]
     text = docs.read_text()
     start, end = text.index(BEGIN), text.index(END) + len(END)
-    docs.write_text(text[:start] + table(json.loads(results_path.read_text())) + text[end:])
+    docs.write_text(text[:start] + table(campaigns) + text[end:])
 
 
 def main(argv: list[str]) -> int:
@@ -288,25 +311,31 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--n", type=int, default=10, help="number of drills")
     parser.add_argument("--seed", type=int, default=None, help="seed of the first drill (default: the time)")
     parser.add_argument("--steps", type=int, default=STEPS)
-    parser.add_argument("--results", type=Path, default=None, help=f"results file (with --publish: {RESULTS})")
-    parser.add_argument("--publish", action="store_true", help="write the results and docs/reliability.md's table")
-    parser.add_argument("--docs-only", action="store_true", help="regenerate the table from the results file")
+    parser.add_argument("--faults", default="", help="comma-separated fault kinds to draw from (default: every kind)")
+    parser.add_argument("--results", type=Path, default=None, help="results file (default: in the campaign's root)")
+    parser.add_argument(
+        "--publish", action="store_true", help=f"results to {RESULTS_DIR}, then docs/reliability.md's table from them"
+    )
+    parser.add_argument("--docs-only", action="store_true", help="regenerate the table from the published results")
     parser.add_argument("--root", type=Path, default=None, help="where the drills run (default: a temporary dir)")
     args = parser.parse_args(argv)
     if args.docs_only:
-        publish(args.results or RESULTS)
+        publish()
         return 0
+    faults = tuple(args.faults.split(",")) if args.faults else FAULTS[1:]
+    unknown = sorted(set(faults) - set(FAULTS[1:]))
+    if unknown:
+        parser.error(f"--faults: unknown kinds {unknown}; known: {list(FAULTS[1:])}")
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     print(f"drill campaign: {args.n} drills from seed {seed} (replay one: make drills N=1 SEED=<its seed>)", flush=True)
     root = args.root or Path(tempfile.mkdtemp(prefix="drills_"))
-    path = args.results or (RESULTS if args.publish else root / "results.json")
+    path = args.results or (RESULTS_DIR / f"drill_campaign_{seed}.json" if args.publish else root / "results.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    outcomes = run_campaign(seed, args.n, root, path, args.steps, log=lambda line: print(line, flush=True))
-    results = json.loads(path.read_text())
-    print(table(results))
+    outcomes = run_campaign(seed, args.n, root, path, args.steps, faults, log=lambda line: print(line, flush=True))
+    print(table([json.loads(path.read_text())]))
     print(f"results: {path}; drills ran in {root}")
     if args.publish:
-        publish(path)
+        publish()
     return 1 if any(not o.ok for o in outcomes) else 0
 
 
