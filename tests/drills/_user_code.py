@@ -167,6 +167,10 @@ class Fault(Callback):
         self.in_flight = threading.Event()
         """Set by an armed persist stall once the write of ``step`` is half-way through (``sigkill-persist``), or
         once the failing write has failed (``enospc``)."""
+        self.settle: Callable[[], object] = lambda: None
+        """Waits for this rank's persists in flight (set by the script that owns the checkpoint engine): a fault that
+        needs a committed step (to damage, to delete, to be killed restoring) settles first, so a slow disk on a
+        loaded machine cannot leave it nothing to hit."""
 
     def _record(self, **fields: Any) -> None:
         record_fault(self.run_dir, kind=self.kind, rank=self.rank, step=self.step, **fields)
@@ -191,7 +195,9 @@ class Fault(Callback):
             self._record()
             print(f"DRILL: rank {self.rank} SIGTERM to the launcher after step {self.step}", flush=True)
             os.kill(os.getppid(), signal.SIGTERM)
-        elif self.kind in ("sigkill", "sigkill-restore", "sigkill-persist", "enospc"):
+        if self.kind in ("sigkill-restore", "corrupt-shard", "truncate-shard", "node-loss"):
+            self.settle()
+        if self.kind in ("sigkill", "sigkill-restore", "sigkill-persist", "enospc"):
             # the persist runs on the engine's thread: wait until it is half-way through the shard (or has failed)
             if self.kind in ("sigkill-persist", "enospc") and not self.in_flight.wait(START_LIMIT_S):
                 raise RuntimeError(f"the persist before step {self.step} never started; cannot fault during it")

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -61,6 +62,7 @@ def default_preset_callbacks(run_dir: Path, checkpoint: str = "local") -> list[C
     return build_suite(cfg.resilience)
 
 
+SETTLE_LIMIT = timedelta(seconds=60)  # a persist of the drill's tiny model takes well under a second
 HANG_LIMIT_S = 600.0  # a hung rank outlives every deadline of the drill: the launcher ends it long before
 
 
@@ -156,6 +158,9 @@ def arm(args: argparse.Namespace, extra: list[Callback], callbacks: list[Callbac
     if rank != args.fault_rank or args.launch != args.fault_launch:
         return
     fault = next((f for f in extra if isinstance(f, Fault)), None)
+    if fault is not None:
+        tiered = next(c for c in callbacks if isinstance(c, TieredCheckpoint))
+        fault.settle = lambda: tiered.manager is not None and tiered.manager.wait(SETTLE_LIMIT)
     if fault is not None and fault.kind == "sigkill-persist":
         arm_persist_stall(fault, callbacks)
     elif fault is not None and fault.kind == "enospc":

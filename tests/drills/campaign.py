@@ -47,8 +47,11 @@ RESTART_S = 120.0
 """Time a restart of the job may take on a loaded 2-core machine: torchrun's restart, imports, rendezvous, restore."""
 HANG_DETECTION_S = 60.0
 """The watchdog's deadline for a hang once its timeouts are calibrated (``ft.min_timeout_s`` of the default preset)."""
-DEADLINE_S = {kind: RESTART_S for kind in FAULTS} | {"hang-collective": HANG_DETECTION_S + RESTART_S}
-"""Longest time to recover, per fault: from the fault to the first step after the restore."""
+DEADLINE_S = {kind: RESTART_S for kind in FAULTS} | {
+    "hang-collective": HANG_DETECTION_S + RESTART_S,
+    "sigkill-restore": 2 * RESTART_S,  # two restarts: the second fault hits the first restart's restore
+}
+"""Longest time to recover, per fault: from the (first) fault to the first step after the restore."""
 LEFTOVER_GRACE_S = 15.0
 """How long the processes of an ended job may take to go (a killed rank's loader workers notice their parent died)."""
 
@@ -151,6 +154,8 @@ def check(result: DrillResult, reference: dict[str, torch.Tensor], outcome: Outc
     if not faults:
         problems.append("the fault never fired")
         return
+    if drill.fault == "sigkill-restore" and len(faults) < 2:
+        problems.append("the restarted attempt was never killed restoring (nothing committed to restore?)")
     fault_time = faults[0]["time"]
     damaged = _damaged(faults)
     outcome.damaged = sorted(damaged)
