@@ -62,7 +62,7 @@ def run_ranks(
     mp.get_context("forkserver").set_forkserver_preload([scenario.__module__])
     ctx = mp.start_processes(
         _child,
-        args=(str(tmp), world, scenario, args, pg_timeout.total_seconds(), _free_port() if tcp_store else None),
+        args=(str(tmp), world, scenario, args, pg_timeout.total_seconds(), free_port() if tcp_store else None),
         nprocs=world,
         join=False,
         start_method="forkserver",
@@ -88,7 +88,8 @@ def run_ranks(
     return results
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a rendezvous endpoint or a store)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

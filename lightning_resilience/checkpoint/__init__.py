@@ -14,7 +14,7 @@ from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.checkpoint.remote import RemoteTier, RemoteTierError
 from lightning_resilience.checkpoint.replication import PeerTier
 from lightning_resilience.checkpoint.reshard import ReshardError, plan_reshard, restore_resharded
-from lightning_resilience.checkpoint.tier import Tier
+from lightning_resilience.checkpoint.tier import CollectiveTier, Durability, RamTier, Tier, Written
 
 __all__ = [
     "CheckpointCorruptError",
@@ -22,17 +22,21 @@ __all__ = [
     "CheckpointManager",
     "CheckpointStats",
     "CheckpointWorkerError",
+    "CollectiveTier",
     "DeltaLocalTier",
+    "Durability",
     "LocalTier",
     "MemoryTier",
     "NoValidCheckpointError",
     "PeerTier",
+    "RamTier",
     "RemoteTier",
     "RemoteTierError",
     "ReshardError",
     "ResumableDataLoader",
     "Restored",
     "Tier",
+    "Written",
     "plan_reshard",
     "restore_resharded",
 ]

@@ -58,6 +58,9 @@ class CheckpointConfig:
     """Longest wait for the in-flight persist at teardown."""
     snapshot_timeout_s: float = 60.0
     """Longest wait for a free host buffer (only reached with max_host_copies set too low)."""
+    collective_timeout_s: float = 300.0
+    """Longest wait for the other ranks at one agreement (persist or defer, which steps to keep, which step to
+    restore); a rank that does not come in time is a CollectiveError on every rank, not a hang."""
 
     def __post_init__(self) -> None:
         self.resume = str(self.resume)
@@ -71,7 +74,7 @@ class CheckpointConfig:
             )
         if self.max_host_copies != 0 and self.max_host_copies < 2:
             raise ConfigError("checkpoint", "max_host_copies", f"must be 0 (auto) or >= 2, got {self.max_host_copies}")
-        for key in ("drain_timeout_s", "snapshot_timeout_s", "emergency_timeout_s"):
+        for key in ("drain_timeout_s", "snapshot_timeout_s", "emergency_timeout_s", "collective_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError("checkpoint", key, f"must be > 0, got {getattr(self, key)}")
 
@@ -90,3 +93,7 @@ class CheckpointConfig:
     @property
     def emergency_timeout(self) -> timedelta:
         return timedelta(seconds=self.emergency_timeout_s)
+
+    @property
+    def collective_timeout(self) -> timedelta:
+        return timedelta(seconds=self.collective_timeout_s)

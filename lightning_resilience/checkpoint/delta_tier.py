@@ -33,13 +33,15 @@ from lightning_resilience.checkpoint.format import (
     checksum_file,
     read_manifest,
     seal_shard,
+    shard_bytes,
     validate_shard,
     write_synced,
 )
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
-from lightning_resilience.checkpoint.tier import TierIdentity
+from lightning_resilience.checkpoint.tier import TierIdentity, Written
 from lightning_resilience.checkpoint.tree import TensorSpec
+from lightning_resilience.collective import Deadline
 
 __all__ = ["DELTA_OF", "DeltaLocalTier"]
 
@@ -136,7 +138,9 @@ class DeltaLocalTier(LocalTier):
         self._deferred_deletes.clear()
 
     # ---------------------------------------------------------------------------------------------- write
-    def write(self, snap: StagedSnapshot) -> None:
+    def write(self, snap: StagedSnapshot, deadline: Deadline | None = None) -> Written:
+        if deadline is not None:
+            deadline.check(f"tier {self.name!r}: write of step {snap.step}")
         if DELTA_OF in snap.meta:
             raise ValueError(f"checkpoint meta key {DELTA_OF!r} is reserved by DeltaLocalTier; rename it")
         base = self._usable_base(snap.step)
@@ -155,8 +159,8 @@ class DeltaLocalTier(LocalTier):
             self._write_delta(snap, base, base_tensors)
             self._deltas_since_full += 1
             self.last_write_base = base.step
-        shard = self.shard_dir(snap.step)
-        self.last_write_bytes = sum(entry.stat().st_size for entry in shard.iterdir() if entry.is_file())
+        self.last_write_bytes = shard_bytes(self.shard_dir(snap.step))
+        return Written(snap.step, self.last_write_bytes, self.last_write_base)
 
     def _write_full(self, snap: StagedSnapshot) -> None:
         super().write(snap)

@@ -30,7 +30,7 @@ from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tree import TensorSpec
 
-__all__ = ["FORMAT", "MANIFEST", "Manifest", "checksum_file", "fsync_dir", "read_shard", "write_shard"]
+__all__ = ["FORMAT", "MANIFEST", "Manifest", "checksum_file", "fsync_dir", "read_shard", "shard_bytes", "write_shard"]
 
 FORMAT = "lightning_resilience/shard-v1"
 MANIFEST = "manifest.json"
@@ -100,6 +100,11 @@ def checksum_file(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def shard_bytes(directory: Path) -> int:
+    """Bytes of a committed shard on disk (its manifest included)."""
+    return sum(entry.stat().st_size for entry in directory.iterdir() if entry.is_file())
 
 
 def fsync_dir(path: Path) -> None:

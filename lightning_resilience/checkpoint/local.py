@@ -12,11 +12,11 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from lightning_resilience._configurable import ConfigError, config_from_args
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
-from lightning_resilience.checkpoint.format import check_identity, fsync_dir, read_shard, write_shard
+from lightning_resilience.checkpoint.format import check_identity, fsync_dir, read_shard, shard_bytes, write_shard
 from lightning_resilience.checkpoint.layout import (
     is_leftover_of,
     leftover_name,
@@ -25,11 +25,13 @@ from lightning_resilience.checkpoint.layout import (
     step_dirs,
 )
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
-from lightning_resilience.checkpoint.tier import TierIdentity, check_cadence
+from lightning_resilience.checkpoint.tier import Durability, TierIdentity, Written, check_cadence
+from lightning_resilience.collective import Deadline
 
 __all__ = ["LocalTier", "step_dirname"]  # step_dirname: its old home, kept importable
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class LocalTier:
@@ -67,7 +69,8 @@ class LocalTier:
         def build(self) -> LocalTier:
             return LocalTier(self)
 
-    durability = 1
+    durability = Durability.host
+    collective = False
 
     def __init__(self, *args: Any, **settings: Any) -> None:
         config = config_from_args(type(self).Config, args, settings, type(self).__name__)
@@ -102,15 +105,18 @@ class LocalTier:
     def rank_layout(self) -> dict[str, int]:
         return {"rank": self._identity.rank, "world_size": self._identity.world_size}
 
-    def write(self, snap: StagedSnapshot) -> None:
+    def write(self, snap: StagedSnapshot, deadline: Deadline | None = None) -> Written:
+        if deadline is not None:
+            deadline.check(f"tier {self.name!r}: write of step {snap.step}")
         self._commit(
             snap.step,
             lambda tmp: write_shard(
                 tmp, snap, rank=self._identity.rank, world_size=self._identity.world_size, rank_layout=self.rank_layout
             ),
         )
+        return Written(snap.step, shard_bytes(self.shard_dir(snap.step)))
 
-    def _commit(self, step: int, fill: Callable[[Path], object], rank_name: str | None = None) -> None:
+    def _commit(self, step: int, fill: Callable[[Path], T], rank_name: str | None = None) -> T:
         """The commit protocol: ``fill`` writes a complete shard (manifest last) into a new private directory,
         which then replaces the step's shard by one atomic rename; on any failure nothing is committed.
         ``rank_name`` commits another rank's shard (a replica held for a peer)."""
@@ -120,7 +126,7 @@ class LocalTier:
         tmp = step_dir / leftover_name(rank_name, "tmp")
         final = step_dir / rank_name
         try:
-            fill(tmp)
+            filled = fill(tmp)
             if final.exists():  # the same step written again (after a rollback): replace it whole
                 self._discard(final)
             os.replace(tmp, final)
@@ -128,6 +134,7 @@ class LocalTier:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        return filled
 
     def read(self, step: int) -> StagedSnapshot:
         shard = self.shard_dir(step)
@@ -141,6 +148,9 @@ class LocalTier:
 
     def list_steps(self) -> list[int]:
         return [step for step, path in step_dirs(self.root).items() if (path / self._rank_name).is_dir()]
+
+    def reshard_root(self) -> Path | None:
+        return self.root
 
     def delete(self, step: int) -> None:
         step_dir = self.root / step_dirname(step)

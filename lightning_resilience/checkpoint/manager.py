@@ -1,7 +1,11 @@
 """CheckpointManager: snapshots every step, persists to slower tiers in the background, restores collectively.
 
 Framework-free: the caller hands it a step number and a function that returns the state to capture. Decisions
-that change what is on disk or which step is restored are made by all ranks together over a side gloo group.
+that change what is on disk or which step is restored are made by all ranks together on the manager's side group
+(:class:`~lightning_resilience.collective.SideGroup`, bounded by ``checkpoint.collective_timeout_s``), and every
+rank reaches each of them on every path. This module captures and persists; restoring is
+:mod:`~lightning_resilience.checkpoint.restore`, retention :mod:`~lightning_resilience.checkpoint.retention`, the
+save before the process goes :mod:`~lightning_resilience.checkpoint.emergency`.
 """
 
 from __future__ import annotations
@@ -9,83 +13,35 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 
+from lightning_resilience.checkpoint._legacy import conform
 from lightning_resilience.checkpoint.config import CheckpointConfig
-from lightning_resilience.checkpoint.errors import CheckpointCorruptError, CheckpointWorkerError, NoValidCheckpointError
-from lightning_resilience.checkpoint.memory import MemoryTier
-from lightning_resilience.checkpoint.reshard import reshardable_steps, restore_resharded_agreed
+from lightning_resilience.checkpoint.emergency import EmergencySave
+from lightning_resilience.checkpoint.errors import CheckpointWorkerError
+from lightning_resilience.checkpoint.restore import CollectiveRestore
+from lightning_resilience.checkpoint.retention import apply_retention, committed_everywhere, missing_anywhere
 from lightning_resilience.checkpoint.snapshot import HostSnapshot, SnapshotPool
-from lightning_resilience.checkpoint.tier import Tier, TierIdentity
-from lightning_resilience.checkpoint.tree import DTensorRebuilder, flatten_state, unflatten_state
+from lightning_resilience.checkpoint.stats import CheckpointStats, Restored, TierStats
+from lightning_resilience.checkpoint.tier import Durability, RamTier, Tier, TierIdentity, restore_order
+from lightning_resilience.checkpoint.tree import DTensorRebuilder, flatten_state
 from lightning_resilience.checkpoint.worker import PersistWorker
+from lightning_resilience.collective import Deadline, SideGroup
 
 __all__ = ["CheckpointManager", "CheckpointStats", "Restored", "TierStats"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class TierStats:
-    """Counters of one tier, for metrics and the end-of-run report."""
-
-    writes: int = 0
-    failures: int = 0
-    deferred: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    last_step: int | None = None
-    last_error: str | None = None
-
-
-@dataclass
-class CheckpointStats:
-    """What the engine did and what it cost."""
-
-    captures: int = 0
-    capture_seconds: float = 0.0
-    capture_seconds_max: float = 0.0
-    last_capture_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    """Part of ``capture_seconds`` spent waiting for a background copy before an optimizer step."""
-    state_bytes: int = 0
-    host_bytes: int = 0
-    tiers: dict[str, TierStats] = field(default_factory=dict)
-    restored_step: int | None = None
-    restored_from: str | None = None
-    restore_seconds: float = 0.0
-    skipped_corrupt: list[str] = field(default_factory=list)
-
-    @property
-    def capture_seconds_mean(self) -> float:
-        return self.capture_seconds / self.captures if self.captures else 0.0
-
-
-@dataclass
-class Restored:
-    """The outcome of a collective restore."""
-
-    step: int
-    state: Any
-    tier: str
-    seconds: float
-    meta: dict[str, Any]
-
-
-@dataclass
 class _PersistResult:
-    tier: str
-    step: int
-    nbytes: int
-    seconds: float
-    error: BaseException | None = None
+    __slots__ = ("error", "nbytes", "seconds", "step", "tier")
+
+    def __init__(self, tier: str, step: int, nbytes: int, seconds: float, error: BaseException | None = None):
+        self.tier, self.step, self.nbytes, self.seconds, self.error = tier, step, nbytes, seconds, error
 
 
 class CheckpointManager:
@@ -111,16 +67,17 @@ class CheckpointManager:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"checkpoint.tiers must have unique names, got {names}")
-        self.tiers = sorted(tiers, key=lambda t: t.durability)
+        self.tiers = restore_order([conform(t) for t in tiers])
         self.config = config or CheckpointConfig()
         self._clock = clock
-        self._memory = [t for t in self.tiers if isinstance(t, MemoryTier)]
-        self._persistent = [t for t in self.tiers if not isinstance(t, MemoryTier)]
+        # a tier of process durability holds the snapshot buffers themselves (the RamTier protocol)
+        self._memory = [cast(RamTier, t) for t in self.tiers if t.durability is Durability.process]
+        self._persistent = [t for t in self.tiers if t.durability is not Durability.process]
         memory_keep = sum(t.keep for t in self._memory)
         self._pool = SnapshotPool(max_slots=self.config.max_host_copies or memory_keep + 2)
         self._worker = PersistWorker()
         self._deferred: list[Tier] = []
-        self._group: Any = None
+        self._group = SideGroup("checkpoint", self.config.collective_timeout, local=True)  # peers come with setup
         self.identity = TierIdentity()
         self.stats = CheckpointStats(tiers={t.name: TierStats() for t in self.tiers})
         self._meta_providers: list[Callable[[int], dict[str, Any]]] = []
@@ -130,13 +87,9 @@ class CheckpointManager:
     # ------------------------------------------------------------------ setup
     def setup(self, group: Any = None) -> None:
         """Bind tiers to this rank. Collective when ``torch.distributed`` is initialised (all ranks call it)."""
-        if dist.is_available() and dist.is_initialized():
-            self.identity = TierIdentity(dist.get_rank(group), dist.get_world_size(group))
-            if self.identity.world_size > 1:
-                # a side group: our small agreements never interleave with the training collectives
-                self._group = dist.new_group(
-                    ranks=dist.get_process_group_ranks(group) if group else None, backend="gloo"
-                )
+        # a side group: our small agreements never interleave with the training collectives
+        self._group = SideGroup("checkpoint", self.config.collective_timeout, parent=group)
+        self.identity = TierIdentity(self._group.rank, self._group.world_size)
         for tier in self.tiers:
             tier.bind(self.identity)
 
@@ -181,6 +134,9 @@ class CheckpointManager:
         ``overlap`` is true are copied in the background instead: they must stay unchanged until
         :meth:`wait_snapshot` returns (see :meth:`guard_optimizer`, which calls it before every optimizer step).
         Returns True when a snapshot was taken.
+
+        Raises:
+            CollectiveError: a rank did not come to the persist agreement within ``checkpoint.collective_timeout_s``.
         """
         self.collect()
         memory_due = [t for t in self._memory if step % t.every_n_steps == 0]
@@ -193,8 +149,9 @@ class CheckpointManager:
         persist_now: list[Tier] = []
         protect: dict[str, int | None] = {}
         if persist_due:
-            busy, protect = self._agree(persist_due)
-            if busy:  # every rank defers together, so every rank persists the same steps
+            views = self._agree(persist_due, step)
+            protect = committed_everywhere([v[1] for v in views], [t.name for t in persist_due])
+            if any(busy for busy, _ in views):  # every rank defers together, so every rank persists the same steps
                 for tier in persist_due:
                     self.stats.tiers[tier.name].deferred += 1
                 self._deferred = persist_due
@@ -207,8 +164,8 @@ class CheckpointManager:
             )
             for tier in memory_due:
                 self._pool.retain(slot)
-                tier.adopt(slot, self._pool.release)
-                self._record_write(tier.name, step, slot.nbytes, 0.0)
+                written = tier.adopt(slot, self._pool.release)
+                self.stats.tiers[tier.name].record_write(step, written.nbytes, 0.0)
             if persist_now:
                 self._pool.retain(slot)
                 self._worker.submit(partial(self._persist, slot, persist_now, protect))
@@ -225,75 +182,59 @@ class CheckpointManager:
     def flush(self, step: int, state: Callable[[], Any], meta: dict[str, Any] | None = None) -> None:
         """Persist ``step`` to every persistent tier now and wait for it (end of training, before a planned stop).
 
-        Collective like :meth:`on_step`: every rank calls it with the same step.
+        Collective like :meth:`on_step`: every rank calls it with the same step. Which tiers get the step is
+        agreed: a tier every rank already has is skipped, a collective tier (peer exchange) that some rank lacks
+        is written by every rank, and a rank whose earlier persist is still running makes every rank skip the
+        collective tiers (its worker cannot exchange twice at once).
         """
         if not self._persistent:
             return
-        self.wait()
+        idle = self.wait()
         self._deferred = []
-        _, protect = self._agree(self._persistent)  # collective: before any rank-local early return
-        missing = [t for t in self._persistent if step not in t.list_steps()]
-        if not missing:
+        views = self._agree(self._persistent, step, idle=idle)  # collective: before any rank-local early return
+        tier_views = [v[1] for v in views]
+        everyone_idle = not any(busy for busy, _ in views)
+
+        def wanted(tier: Tier) -> bool:
+            if tier.collective:  # the same answer on every rank: all exchange, or none
+                return everyone_idle and missing_anywhere(tier_views, tier.name, step)
+            return idle and step not in tier.list_steps()
+
+        due = [t for t in self._persistent if wanted(t)]
+        if not due:
             return
+        protect = committed_everywhere(tier_views, [t.name for t in due])
         slot = self._pool.capture(step, flatten_state(state(), warn=self._warn_once), self._meta(step, meta))
-        self._worker.submit(partial(self._persist, slot, missing, protect))  # takes over our slot reference
+        self._worker.submit(partial(self._persist, slot, due, protect))  # takes over our slot reference
         if not self.wait():
             log.error("final persist of step %d did not finish within %s", step, self.config.drain_timeout)
 
     def emergency_save(self, deadline: timedelta | None = None, *, collective: bool = False) -> int | None:
-        """Persist the newest RAM snapshot to the persistent tiers, fastest first, until ``deadline`` runs out.
+        """Persist the newest RAM snapshot to the persistent tiers, fastest first, within ``deadline``.
 
         For a preemption notice or an exception: the snapshot is the last state captured at a step boundary, not
-        the live (possibly half-updated) state. With ``collective=True`` every rank calls it (retention then keeps
-        the newest step committed everywhere); otherwise it is rank-local and deletes nothing.
+        the live (possibly half-updated) state. With ``collective=True`` every rank calls it: every rank reaches
+        the same agreements whatever it holds, collective tiers are written by all ranks or none, and retention
+        keeps the newest step committed everywhere. Otherwise it is rank-local: no collective runs, a collective
+        tier keeps only this rank's copy, and nothing is deleted. Every tier write is bounded by what is left of
+        ``deadline`` (default ``checkpoint.drain_timeout_s``).
 
         Returns:
             The step persisted to at least one tier (or already there), or None if there was nothing to save.
         """
-        budget = deadline or self.config.drain_timeout
-        start = time.perf_counter()
-
-        def remaining() -> float:
-            return budget.total_seconds() - (time.perf_counter() - start)
-
-        self.wait_snapshot()
-        if not self._worker.wait_idle(timedelta(seconds=max(remaining(), 0.0))):
-            log.error("emergency save: the running persist did not finish in time; nothing more written")
-            return None
-        self.collect()
-        protect: dict[str, int | None] = {}
-        if collective:
-            _, protect = self._agree(self._persistent)
-        held = [(s, t) for t in self._memory for s in t.list_steps()]
-        if not held:
-            log.warning("emergency save: no snapshot in RAM to save")
-            return None
-        step, tier = max(held, key=lambda x: x[0])
-        saved = False
-        snap = None
-        for target in self._persistent:
-            if step in target.list_steps():
-                saved = True
-                continue
-            if remaining() <= 0:
-                log.error("emergency save: deadline reached before tier %r got step %d", target.name, step)
-                break
-            t0 = time.perf_counter()
-            try:
-                snap = snap or tier.read(step)
-                target.write(snap)
-                if collective:
-                    self._apply_retention(target, protect.get(target.name))
-            except (OSError, CheckpointCorruptError) as err:
-                self.stats.tiers[target.name].failures += 1
-                self.stats.tiers[target.name].last_error = f"{type(err).__name__}: {err}"
-                log.error("emergency save of step %d to tier %r failed: %s", step, target.name, err)
-                continue
-            written = getattr(target, "last_write_bytes", 0) or snap.nbytes
-            self._record_write(target.name, step, written, time.perf_counter() - t0)
-            saved = True
-            log.warning("emergency save: step %d committed to tier %r", step, target.name)
-        return step if saved else None
+        budget = Deadline(deadline or self.config.drain_timeout)
+        ok = True
+        try:
+            self.wait_snapshot()
+            if not self._worker.wait_idle(budget.bound(self.config.drain_timeout)):
+                log.error("emergency save: the running persist did not finish in time; nothing more written here")
+                ok = False
+            self.collect()
+        except Exception as err:  # carried into the agreement (collective) instead of skipping it
+            log.error("emergency save: this rank cannot write (%s: %s)", type(err).__name__, err)
+            ok = False
+        save = EmergencySave(self._memory, self._persistent, self._group if collective else None, budget, self.stats)
+        return save.run(ok)
 
     def wait_snapshot(self) -> None:
         """Block (bounded) until the newest snapshot's background copy has landed; the wait counts as blocking."""
@@ -321,74 +262,65 @@ class CheckpointManager:
         """
         return optimizer.register_step_pre_hook(lambda *_: self.order_snapshot())
 
-    def _agree(self, tiers: list[Tier]) -> tuple[bool, dict[str, int | None]]:
-        """Collectively: is any rank's worker busy, and which step is committed on every rank, per tier."""
-        local = (self._worker.busy, {t.name: t.list_steps() for t in tiers})
-        gathered = self._all_gather(local)
-        busy = any(g[0] for g in gathered)
-        protect: dict[str, int | None] = {}
-        for tier in tiers:
-            common = set.intersection(*(set(g[1][tier.name]) for g in gathered))
-            protect[tier.name] = max(common) if common else None
-        return busy, protect
+    def _agree(
+        self, tiers: list[Tier], step: int, *, idle: bool | None = None
+    ) -> list[tuple[bool, dict[str, list[int]]]]:
+        """Collectively: per rank, whether it is busy (its worker running), and its committed steps per tier."""
+        busy = self._worker.busy if idle is None else not idle
+        local = (busy, {t.name: t.list_steps() for t in tiers})  # list_steps never waits on a network
+        return cast(
+            list[tuple[bool, dict[str, list[int]]]],
+            self._group.all_gather_object(local, op="checkpoint.agree", step=step),
+        )
 
     def _persist(self, slot: HostSnapshot, tiers: list[Tier], protect: dict[str, int | None]) -> list[_PersistResult]:
-        """Runs on the worker thread: write the slot to each tier, then apply retention."""
+        """Runs on the worker thread: write the slot to each tier, then apply retention.
+
+        Every tier is attempted whatever happened to the ones before it, so a collective tier's exchange is entered
+        on every rank; an error other than an I/O error is re-raised once all tiers are done (it stops training).
+        """
         results = []
+        unexpected: BaseException | None = None
         try:
             snap = slot.view()
             for tier in tiers:
                 start = time.perf_counter()
                 try:
-                    tier.write(snap)
-                    self._apply_retention(tier, protect.get(tier.name))
+                    written = tier.write(snap)
+                    apply_retention(tier, protect.get(tier.name))
                 except OSError as err:
                     results.append(_PersistResult(tier.name, snap.step, 0, time.perf_counter() - start, err))
                     continue
-                written = getattr(tier, "last_write_bytes", 0) or snap.nbytes  # a delta tier writes less
-                results.append(_PersistResult(tier.name, snap.step, written, time.perf_counter() - start))
+                except Exception as err:
+                    unexpected = unexpected or err
+                    continue
+                results.append(_PersistResult(tier.name, snap.step, written.nbytes, time.perf_counter() - start))
         finally:
             self._pool.release(slot)
+        if unexpected is not None:
+            raise unexpected
         return results
-
-    @staticmethod
-    def _apply_retention(tier: Tier, protected: int | None) -> None:
-        steps = tier.list_steps()
-        keep = set(steps[-tier.keep :])
-        if protected is not None:
-            keep.add(protected)  # the newest step every rank has committed is never deleted
-        for step in steps:
-            if step not in keep:
-                tier.delete(step)
 
     def collect(self) -> None:
         """Fold finished persists into the stats; re-raise a worker failure on the calling (training) thread."""
         for results in self._worker.poll():
             for res in results:
-                if res.error is None:
-                    self._record_write(res.tier, res.step, res.nbytes, res.seconds)
-                    continue
                 stats = self.stats.tiers[res.tier]
-                stats.failures += 1
-                stats.last_error = f"{type(res.error).__name__}: {res.error}"
+                if res.error is None:
+                    stats.record_write(res.step, res.nbytes, res.seconds)
+                    continue
+                error = stats.record_failure(res.error)
                 log.warning(
                     "checkpoint of step %d to tier %r failed (%s); training continues, earlier checkpoints are intact",
                     res.step,
                     res.tier,
-                    stats.last_error,
+                    error,
                 )
                 if self.config.on_persist_error == "raise":
                     raise CheckpointWorkerError(
-                        f"persist of step {res.step} to tier {res.tier!r} failed: {stats.last_error} "
+                        f"persist of step {res.step} to tier {res.tier!r} failed: {error} "
                         "(checkpoint.on_persist_error=raise)"
                     ) from res.error
-
-    def _record_write(self, tier: str, step: int, nbytes: int, seconds: float) -> None:
-        stats = self.stats.tiers[tier]
-        stats.writes += 1
-        stats.bytes += nbytes
-        stats.seconds += seconds
-        stats.last_step = step
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Wait (bounded) for the in-flight persist; True if the worker is idle."""
@@ -421,143 +353,8 @@ class CheckpointManager:
         if not self._worker.wait_idle(self.config.drain_timeout):
             raise CheckpointWorkerError(f"persist still running after {self.config.drain_timeout}; cannot restore")
         self.collect()
-        start = self._clock()
-        for tier in self.tiers:
-            prepare = getattr(tier, "prepare_restore", None)  # collective: e.g. fetch shards held by peers
-            if prepare is not None:
-                try:
-                    prepare()
-                except (OSError, RuntimeError, CheckpointCorruptError) as err:
-                    msg = f"tier {tier.name!r} could not prepare its copies for restore: {err}"
-                    log.warning(msg)
-                    self.stats.skipped_corrupt.append(msg)
-        where: dict[int, list[Tier]] = {}
-        for tier in self.tiers:
-            for s in tier.list_steps():
-                where.setdefault(s, []).append(tier)
-        gathered = self._all_gather(sorted(where))
-        common = set.intersection(*(set(g) for g in gathered))
-        anything = any(gathered)
-        if step is not None:
-            common &= {step}
-        if max_step is not None:
-            common = {s for s in common if s <= max_step}
-        if step is None and common and self.config.allow_reshard:
-            # a newer step written by another world size (the job shrank or grew since) beats an older native one
-            resharded = self._restore_resharded(max_step, rebuild_dtensor, start, newer_than=max(common))
-            if resharded is not None:
-                return resharded
-        for candidate in sorted(common, reverse=True):
-            snap, source = None, ""
-            for tier in where[candidate]:
-                try:
-                    # RAM hands its buffers over instead of copying them
-                    snap = tier.take(candidate) if isinstance(tier, MemoryTier) else tier.read(candidate)
-                    source = tier.name
-                    break
-                except (CheckpointCorruptError, OSError) as err:  # every rank must reach the agreement below
-                    msg = f"skipping checkpoint step {candidate} in tier {tier.name!r}: {err}"
-                    log.warning(msg)
-                    self.stats.skipped_corrupt.append(msg)
-            if self._all_true(snap is not None):
-                assert snap is not None
-                state = unflatten_state(snap.skeleton, snap.tensors, rebuild_dtensor=rebuild_dtensor)
-                elapsed = self._clock() - start
-                self.stats.restored_step, self.stats.restored_from, self.stats.restore_seconds = (
-                    candidate,
-                    source,
-                    elapsed,
-                )
-                log.info("restored step %d from tier %r in %.3fs", candidate, source, elapsed)
-                return Restored(candidate, state, source, elapsed, snap.meta)
-            if snap is not None:
-                log.warning("step %d is valid here but not on every rank; trying an older one", candidate)
-        if step is None and self.config.allow_reshard:  # nothing at this world size: a step written by another?
-            resharded = self._restore_resharded(max_step, rebuild_dtensor, start)
-            if resharded is not None:
-                return resharded
-        if step is not None:
-            raise NoValidCheckpointError(
-                f"checkpoint step {step} is not loadable on every rank (see warnings above); "
-                "pick another step or set checkpoint.resume=auto"
-            )
-        if anything:
-            if self.config.if_none_valid == "fail":
-                raise NoValidCheckpointError(
-                    "checkpoints exist but none is valid on every rank (see warnings above); "
-                    "fix or remove them, or set checkpoint.if_none_valid=start_fresh"
-                )
-            log.warning(
-                "checkpoints exist but none is valid on every rank: starting fresh "
-                "(checkpoint.if_none_valid=start_fresh)"
-            )
-        return None
-
-    def _restore_resharded(
-        self,
-        max_step: int | None,
-        rebuild_dtensor: DTensorRebuilder | None,
-        start: float,
-        newer_than: int | None = None,
-    ) -> Restored | None:
-        """Collective: restore the newest step that a job of another world size wrote, resharded for this one
-        (only if it is newer than ``newer_than``, the best step loadable as it is)."""
-        roots = {t.name: root for t in self._persistent if isinstance(root := getattr(t, "root", None), Path)}
-        if newer_than is not None:
-            newer = any(
-                s > newer_than and (max_step is None or s <= max_step)
-                for root in roots.values()
-                for s in reshardable_steps(root, self.world_size)
-            )
-            if self._all_true(not newer):  # collective: every rank takes the same path
-                return None
-        if not roots:
-            return None
-
-        def skip(msg: str) -> None:
-            log.warning(msg)
-            self.stats.skipped_corrupt.append(msg)
-
-        found = restore_resharded_agreed(
-            roots,
-            self.identity,
-            all_gather=self._all_gather,
-            all_true=self._all_true,
-            rebuild_dtensor=rebuild_dtensor,
-            max_step=max_step,
-            on_skip=skip,
-        )
-        if found is None:
-            return None
-        name, res = found
-        if newer_than is not None and res.step <= newer_than:
-            return None  # the same on every rank: the agreed step is older than a native one
-        elapsed = self._clock() - start
-        self.stats.restored_step, self.stats.restored_from, self.stats.restore_seconds = res.step, name, elapsed
-        log.warning(
-            "restored step %d from tier %r, resharded from %d to %d ranks (per-rank RNG and data position taken "
-            "from old rank new_rank %% %d: not an exact resume)",
-            res.step,
-            name,
-            res.old_world_size,
-            self.world_size,
-            res.old_world_size,
-        )
-        return Restored(res.step, res.state, name, elapsed, res.meta)
-
-    def _all_gather(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._group)
-        return out
-
-    def _all_true(self, flag: bool) -> bool:
-        if self.world_size == 1:
-            return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
-        return bool(t.item())
+        restore = CollectiveRestore(self.tiers, self._group, self.identity, self.config, self.stats, self._clock)
+        return restore.run(step, max_step, rebuild_dtensor)
 
     # --------------------------------------------------------------- teardown
     def close(self, timeout: timedelta | None = None) -> None:

@@ -6,18 +6,20 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lightning_resilience._configurable import config_from_args
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.snapshot import HostSnapshot, StagedSnapshot
-from lightning_resilience.checkpoint.tier import TierIdentity, check_cadence
+from lightning_resilience.checkpoint.tier import Durability, TierIdentity, Written, check_cadence
+from lightning_resilience.collective import Deadline
 
 __all__ = ["MemoryTier"]
 
 
 class MemoryTier:
-    """Keeps the last ``keep`` snapshots in host memory.
+    """Keeps the last ``keep`` snapshots in host memory (a :class:`~lightning_resilience.checkpoint.tier.RamTier`).
 
     The manager hands it the snapshot buffers themselves (:meth:`adopt`), so a per-step RAM checkpoint costs no
     second copy; :meth:`read` returns a clone because the buffers are reused once they fall out of the window.
@@ -42,7 +44,8 @@ class MemoryTier:
         def build(self) -> MemoryTier:
             return MemoryTier(self)
 
-    durability = 0
+    durability = Durability.process
+    collective = False
 
     def __init__(self, *args: Any, **settings: Any) -> None:
         self.config = config_from_args(MemoryTier.Config, args, settings, "MemoryTier")
@@ -70,7 +73,7 @@ class MemoryTier:
     def bind(self, identity: TierIdentity) -> None:
         self._identity = identity
 
-    def adopt(self, slot: HostSnapshot, release: Callable[[HostSnapshot], None]) -> None:
+    def adopt(self, slot: HostSnapshot, release: Callable[[HostSnapshot], None]) -> Written:
         """Hold a reference to a pool slot (already retained for us); ``release`` gives it back."""
         evicted: list[tuple[HostSnapshot, Callable[[HostSnapshot], None]]] = []
         with self._lock:
@@ -82,13 +85,17 @@ class MemoryTier:
             evicted.extend(self._evict())
         for held, rel in evicted:
             rel(held)
+        return Written(slot.step, slot.nbytes)
 
-    def write(self, snap: StagedSnapshot) -> None:
+    def write(self, snap: StagedSnapshot, deadline: Deadline | None = None) -> Written:
+        if deadline is not None:
+            deadline.check(f"tier {self.name!r}: write of step {snap.step}")
         with self._lock:
             self._copies[snap.step] = snap.clone()
             evicted = self._evict()
         for held, rel in evicted:
             rel(held)
+        return Written(snap.step, snap.nbytes)
 
     def _evict(self) -> list[tuple[HostSnapshot, Callable[[HostSnapshot], None]]]:
         evicted = []
@@ -108,11 +115,16 @@ class MemoryTier:
                 return self._copies[step].clone()
         raise CheckpointCorruptError(f"memory tier holds no snapshot of step {step}")
 
+    def holds(self, step: int) -> bool:
+        with self._lock:
+            return step in self._held or step in self._copies
+
     def take(self, step: int) -> StagedSnapshot:
         """Hand the snapshot of ``step`` over to the caller without copying.
 
         The buffers leave the pool for good (the restored training state owns them now) and the step leaves this
-        tier. This is what makes a restore from RAM cost almost nothing.
+        tier. This is what makes a restore from RAM cost almost nothing; a restore calls it only once every rank
+        agreed on the step, so a step another rank refused is still here for the next candidate.
         """
         with self._lock:
             held = self._held.pop(step, None)
@@ -137,6 +149,9 @@ class MemoryTier:
             self._copies.pop(step, None)
         if held is not None:
             held[1](held[0])
+
+    def reshard_root(self) -> Path | None:
+        return None
 
     def clear(self) -> None:
         for step in self.list_steps():

@@ -18,10 +18,7 @@ manager counts a failed persist and training continues.
 
 from __future__ import annotations
 
-import errno
-import inspect
 import logging
-import os
 import random
 import re
 import tempfile
@@ -31,33 +28,44 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import fsspec
-from fsspec.asyn import AsyncFileSystem, sync
 
 from lightning_resilience._configurable import ConfigError, config_from_args
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
-from lightning_resilience.checkpoint.format import MANIFEST, Manifest, check_identity, read_shard, write_shard
+from lightning_resilience.checkpoint.format import (
+    MANIFEST,
+    Manifest,
+    check_identity,
+    read_shard,
+    shard_bytes,
+    write_shard,
+)
 from lightning_resilience.checkpoint.layout import rank_dirname, step_dirname, step_of_entry
-from lightning_resilience.checkpoint.remote_faults import RemoteFault, RemoteTierError, classify_error
+from lightning_resilience.checkpoint.remote_calls import RetryingCalls
+from lightning_resilience.checkpoint.remote_faults import (
+    RemoteFault,
+    RemoteTierError,
+    StoreAddress,
+    check_protocols,
+    classify_error,
+)
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
-from lightning_resilience.checkpoint.tier import TierIdentity, check_cadence
+from lightning_resilience.checkpoint.tier import Durability, TierIdentity, Written, check_cadence
+from lightning_resilience.collective import Deadline
 
 __all__ = ["RemoteFault", "RemoteTier", "RemoteTierError", "classify_error"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # a file named by a manifest must be a plain name: it becomes both an object key and a local path on download
 _SAFE_NAME_RE = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9_.\-]{1,255}$")
 # stores whose "directories" are key prefixes: nothing to create, and makedirs() on them may create a bucket
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"})
-# a transfer slower than this on average is treated as hung (on top of timeout_s)
-_MIN_TRANSFER_BYTES_PER_S = 1 << 20
 
 
-class RemoteTier:
+class RemoteTier(RetryingCalls):
     """Off-node tier on any fsspec URL: ``s3://bucket/prefix``, ``gs://...``, ``file:///shared/fs/dir``, ``memory://``.
 
     Takes a :class:`RemoteTier.Config`, or its fields as arguments: ``RemoteTier("s3://bucket/run-17",
@@ -113,20 +121,21 @@ class RemoteTier:
             self.storage_options = dict(self.storage_options)
             if not isinstance(self.url, str) or not self.url.strip():
                 raise ConfigError(owner, "url", f"must be an fsspec URL such as s3://bucket/run-17, got {self.url!r}")
-            protocol = _check_protocols(self.url, owner)
+            protocol = check_protocols(self.url, owner)
             if not fsspec.get_filesystem_class(protocol)._strip_protocol(self.url.split("::")[-1]).rstrip("/"):
                 raise ConfigError(owner, "url", f"must name a bucket or directory, got {self.url!r}")
 
         def build(self) -> RemoteTier:
             return RemoteTier(self)
 
-    durability = 2
+    durability = Durability.remote
+    collective = False
 
     def __init__(self, *args: Any, sleep: Callable[[float], None] = time.sleep, **settings: Any) -> None:
         config = config_from_args(RemoteTier.Config, args, settings, "RemoteTier")
         self.config = config
         key = f"tiers.{config.name}"
-        self.protocol = _check_protocols(config.url, key)
+        self.protocol = check_protocols(config.url, key)
         self.url = config.url
         self.name = config.name
         self.every_n_steps = config.every_n_steps
@@ -150,11 +159,11 @@ class RemoteTier:
         self.fs = fs
         self.root = root
         self._hierarchical = self.protocol not in _OBJECT_STORES
+        self._address = StoreAddress(self.name, self.url, self.protocol, root, self._hierarchical, self._options)
         self._identity = TierIdentity()
         self._lock = threading.Lock()
         self._known: set[int] = set()  # committed steps as this process last saw them (listing or own writes)
-        self._listed = False
-        self._degraded = False  # the store failed us: list from what we know until a write succeeds
+        self._deadline = threading.local()  # the deadline of the write in progress on this thread, if any
 
     def __repr__(self) -> str:
         return f"RemoteTier({self.url!r}, every_n_steps={self.every_n_steps}, keep={self.keep}, name={self.name!r})"
@@ -173,13 +182,29 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ Tier
     def bind(self, identity: TierIdentity) -> None:
+        """Take this rank's place: list what it has committed in the store (every retry: this is startup) and
+        remove its uploads that a killed process left without a manifest."""
         self._identity = identity
+        if not self.refresh():
+            return  # the store is down: a restore can still use another tier, and writes will report the outage
         try:
             self._remove_uncommitted()
         except RemoteTierError as err:  # a store that is down at startup is not a reason to stop training
             log.warning("tiers.%s: could not look for uncommitted shards at startup: %s", self.name, err)
 
-    def write(self, snap: StagedSnapshot) -> None:
+    def write(self, snap: StagedSnapshot, deadline: Deadline | None = None) -> Written:
+        """Upload and commit ``snap``; every request and retry is bounded by ``deadline`` too. Then refresh the
+        listing (here, on the persist worker: the training thread reads it without a request)."""
+        self._deadline.value = deadline
+        try:
+            written = self._upload_shard(snap)
+        finally:
+            self._deadline.value = None
+        if deadline is None:  # an emergency save has no time for it; its own commit is recorded anyway
+            self.refresh(attempts=1, quiet=True)
+        return written
+
+    def _upload_shard(self, snap: StagedSnapshot) -> Written:
         step = snap.step
         shard = self.shard_path(step)
         try:
@@ -206,17 +231,12 @@ class RemoteTier:
                 except Exception:
                     self._abandon(shard)
                     raise
-        except RemoteTierError:
-            with self._lock:
-                self._degraded = True
-            raise
+                nbytes = shard_bytes(staged)
         except FileNotFoundError as err:  # the root (bucket, container, directory) vanished under us
-            with self._lock:
-                self._degraded = True
             raise self._error(f"upload step {step}", err, RemoteFault.NO_BUCKET, 1) from err
         with self._lock:
             self._known.add(step)
-            self._degraded = False
+        return Written(step, nbytes)
 
     def read(self, step: int) -> StagedSnapshot:
         shard = self.shard_path(step)
@@ -252,32 +272,29 @@ class RemoteTier:
         return snap
 
     def list_steps(self) -> list[int]:
-        """Committed steps of this rank, oldest first.
-
-        Never raises for a store fault: a listing that fails is logged and answered from what this process knows
-        (its own commits and the last good listing), so neither training nor a restore from another tier stops
-        because the store is down. While the store is failing (after a failed write or listing) the answer comes
-        from memory without a request, until a write succeeds again: the training thread never waits on an
-        outage.
-        """
+        """Committed steps of this rank, oldest first, from what this process knows: the listing made at
+        :meth:`bind` (or the latest :meth:`refresh`) and its own commits and deletes since. No request is made: the
+        training thread never waits on the store, however slow or down it is."""
         with self._lock:
-            if self._degraded:
-                return sorted(self._known)
-            # the first listing (usually the restore at startup) gets every retry; later ones run on the training
-            # thread at each persist cadence, so they get one try
-            attempts = 1 if self._listed else self.retries + 1
+            return sorted(self._known)
+
+    def refresh(self, attempts: int | None = None, *, quiet: bool = False) -> bool:
+        """List the store (requests, retried ``attempts`` times; default every retry) and remember what this rank
+        has committed there. Never raises for a store fault: a listing that fails is logged and what was known is
+        kept. Returns whether the listing succeeded."""
         try:
-            steps = self._committed_steps(attempts)
+            steps = self._committed_steps(self.retries + 1 if attempts is None else attempts)
         except RemoteTierError as err:
-            with self._lock:
-                self._degraded = True
-                known = sorted(self._known)
-            log.warning("tiers.%s: cannot list checkpoints (%s); answering from this process's records", self.name, err)
-            return known
+            (log.debug if quiet else log.warning)(
+                "tiers.%s: cannot list checkpoints (%s); keeping this process's records", self.name, err
+            )
+            return False
         with self._lock:
             self._known = set(steps)
-            self._listed = True
-        return steps
+        return True
+
+    def reshard_root(self) -> Path | None:
+        return None  # resharding reads step directories of a file system; a store is not one
 
     def delete(self, step: int) -> None:
         self._invalidate()
@@ -385,121 +402,3 @@ class RemoteTier:
     def _invalidate(self) -> None:
         # listings are cached per filesystem instance; another rank or process may have changed the store
         self.fs.invalidate_cache()
-
-    # ------------------------------------------------------------------ calls, retries, errors
-    def _op(self, method: str, *args: Any, nbytes: int = 0, **kwargs: Any) -> Any:
-        """Call ``fs.<method>``; on an asynchronous backend, bounded by the tier's timeout."""
-        fs = self.fs
-        coro = getattr(fs, f"_{method}", None)
-        if isinstance(fs, AsyncFileSystem) and inspect.iscoroutinefunction(coro):
-            timeout = self.timeout_s + nbytes / _MIN_TRANSFER_BYTES_PER_S
-            return sync(fs.loop, coro, *args, timeout=timeout, **kwargs)
-        return getattr(fs, method)(*args, **kwargs)
-
-    def _call(self, what: str, fn: Callable[[], T], attempts: int | None = None) -> T:
-        """Run ``fn``, retrying transient faults with backoff.
-
-        Raises:
-            FileNotFoundError: the object is missing (the caller knows what that means).
-            RemoteTierError: any other store fault, after the retries for a transient one.
-        """
-        attempts = self.retries + 1 if attempts is None else max(1, attempts)
-        for attempt in range(attempts):
-            try:
-                return fn()
-            except Exception as err:
-                fault = classify_error(err)
-                if fault is RemoteFault.BUG:
-                    raise
-                if fault is RemoteFault.NOT_FOUND:
-                    if isinstance(err, FileNotFoundError):
-                        raise
-                    raise FileNotFoundError(errno.ENOENT, f"{what}: not found ({err})") from err
-                if fault is not RemoteFault.TRANSIENT or attempt + 1 == attempts:
-                    raise self._error(what, err, fault, attempt + 1) from err
-                delay = self._backoff(attempt)
-                with self._lock:
-                    self.retries_total += 1
-                log.warning(
-                    "tiers.%s: %s failed (%s: %s); retry %d of %d in %.2fs",
-                    self.name,
-                    what,
-                    type(err).__name__,
-                    err,
-                    attempt + 1,
-                    attempts - 1,
-                    delay,
-                )
-                self._sleep(delay)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _backoff(self, attempt: int) -> float:
-        ceiling = min(self.max_backoff_s, self.backoff_s * (2**attempt))
-        return ceiling * self._random.uniform(0.5, 1.0)
-
-    @property
-    def endpoint(self) -> str:
-        """Who answers for this URL, for error messages."""
-        if self.protocol in ("s3", "s3a"):
-            client_kwargs = self._options.get("client_kwargs") or {}
-            endpoint = (
-                client_kwargs.get("endpoint_url")
-                or self._options.get("endpoint_url")
-                or os.environ.get("AWS_ENDPOINT_URL_S3")
-                or os.environ.get("AWS_ENDPOINT_URL")
-            )
-            return str(endpoint) if endpoint else "AWS S3"
-        return f"the {self.protocol} store"
-
-    def _error(self, what: str, err: BaseException, fault: RemoteFault, attempts: int) -> RemoteTierError:
-        key = f"tiers.{self.name}"
-        cause = f"{type(err).__name__}: {err}"
-        if fault is RemoteFault.CREDENTIALS and self.protocol in ("file", "local"):
-            message = (
-                f"{what}: permission denied under {key}.url={self.url} ({cause}); check the directory's owner/mode"
-            )
-        elif fault is RemoteFault.CREDENTIALS:
-            env = {"s3": "AWS_* env", "s3a": "AWS_* env", "gs": "GOOGLE_APPLICATION_CREDENTIALS", "gcs": "GOOGLE_*"}
-            message = (
-                f"{what}: credentials rejected by {self.endpoint} for {key}.url={self.url} ({cause}); check "
-                f"{key}.storage_options (key/secret) or {env.get(self.protocol, 'the backend environment')}"
-            )
-        elif fault is RemoteFault.NO_BUCKET and self._hierarchical:
-            message = f"{what}: directory {self.root!r} vanished ({key}.url={self.url}) ({cause})"
-        elif fault is RemoteFault.NO_BUCKET:
-            bucket = self.root.split("/", 1)[0]
-            message = (
-                f"{what}: bucket {bucket!r} does not exist ({key}.url={self.url}); create it or fix {key}.url ({cause})"
-            )
-        elif fault is RemoteFault.TRANSIENT:
-            message = (
-                f"{what}: failed {attempts} time(s), last with {cause}; {self.endpoint} is unreachable or failing "
-                f"({key}.url={self.url}); checkpoints already in the store are untouched "
-                f"(knobs: {key}.retries, {key}.timeout_s)"
-            )
-        else:
-            message = f"{what}: refused by {self.endpoint} ({cause}); {key}.url={self.url}"
-        return RemoteTierError(f"{key}: {message}", fault=fault, attempts=attempts)
-
-
-def _check_protocols(url: str, key: str) -> str:
-    """Validate every protocol of a (possibly chained) URL; return the innermost one."""
-    protocol = "file"
-    for part in url.split("::"):
-        found, _ = fsspec.core.split_protocol(part)
-        protocol = found or "file"
-        try:
-            fsspec.get_filesystem_class(protocol)
-        except ValueError as err:
-            raise ConfigError(
-                key,
-                "url",
-                f"has an unknown protocol {protocol!r} ({err}): use s3://, gs://, az://, file://, memory:// or "
-                f"another fsspec protocol; got {url!r}",
-            ) from err
-        except ImportError as err:
-            raise ImportError(
-                f"{key}.url={url!r} needs a package that is not installed: {err} "
-                "(for S3: pip install 'lightning-resilience[s3]')"
-            ) from err
-    return protocol

@@ -1,15 +1,22 @@
-"""Which remote-store failures are worth a retry, and the error a remote tier raises when it gives up."""
+"""Which remote-store failures are worth a retry, the error a remote tier raises when it gives up (naming what to fix),
+and the check of a URL's protocols."""
 
 from __future__ import annotations
 
 import asyncio
 import errno
 import functools
+import os
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-__all__ = ["RemoteFault", "RemoteTierError", "classify_error"]
+import fsspec
+
+from lightning_resilience._configurable import ConfigError
+
+__all__ = ["RemoteFault", "RemoteTierError", "StoreAddress", "check_protocols", "classify_error"]
 
 
 # error codes of S3 and S3-compatible stores (botocore ClientError), by what they mean for a retry
@@ -142,3 +149,85 @@ def classify_error(err: BaseException) -> RemoteFault:
         name = type(err).__name__
         return RemoteFault.TRANSIENT if "Timeout" in name or "Connection" in name else RemoteFault.PERMANENT
     return RemoteFault.BUG
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where a remote tier's checkpoints live, as its error messages name it."""
+
+    name: str
+    """The tier's name (``tiers.<name>.url`` in messages)."""
+    url: str
+    protocol: str
+    root: str
+    hierarchical: bool
+    """A file system with directories (else an object store whose "directories" are key prefixes)."""
+    options: Mapping[str, Any]
+
+    @property
+    def endpoint(self) -> str:
+        """Who answers for this URL, for error messages."""
+        if self.protocol in ("s3", "s3a"):
+            client_kwargs = self.options.get("client_kwargs") or {}
+            endpoint = (
+                client_kwargs.get("endpoint_url")
+                or self.options.get("endpoint_url")
+                or os.environ.get("AWS_ENDPOINT_URL_S3")
+                or os.environ.get("AWS_ENDPOINT_URL")
+            )
+            return str(endpoint) if endpoint else "AWS S3"
+        return f"the {self.protocol} store"
+
+    def error(self, what: str, err: BaseException, fault: RemoteFault, attempts: int) -> RemoteTierError:
+        """The error a tier raises when it gives up on ``what``: what failed, where, and what to fix."""
+        key = f"tiers.{self.name}"
+        cause = f"{type(err).__name__}: {err}"
+        if fault is RemoteFault.CREDENTIALS and self.protocol in ("file", "local"):
+            message = (
+                f"{what}: permission denied under {key}.url={self.url} ({cause}); check the directory's owner/mode"
+            )
+        elif fault is RemoteFault.CREDENTIALS:
+            env = {"s3": "AWS_* env", "s3a": "AWS_* env", "gs": "GOOGLE_APPLICATION_CREDENTIALS", "gcs": "GOOGLE_*"}
+            message = (
+                f"{what}: credentials rejected by {self.endpoint} for {key}.url={self.url} ({cause}); check "
+                f"{key}.storage_options (key/secret) or {env.get(self.protocol, 'the backend environment')}"
+            )
+        elif fault is RemoteFault.NO_BUCKET and self.hierarchical:
+            message = f"{what}: directory {self.root!r} vanished ({key}.url={self.url}) ({cause})"
+        elif fault is RemoteFault.NO_BUCKET:
+            bucket = self.root.split("/", 1)[0]
+            message = (
+                f"{what}: bucket {bucket!r} does not exist ({key}.url={self.url}); create it or fix {key}.url ({cause})"
+            )
+        elif fault is RemoteFault.TRANSIENT:
+            message = (
+                f"{what}: failed {attempts} time(s), last with {cause}; {self.endpoint} is unreachable or failing "
+                f"({key}.url={self.url}); checkpoints already in the store are untouched "
+                f"(knobs: {key}.retries, {key}.timeout_s)"
+            )
+        else:
+            message = f"{what}: refused by {self.endpoint} ({cause}); {key}.url={self.url}"
+        return RemoteTierError(f"{key}: {message}", fault=fault, attempts=attempts)
+
+
+def check_protocols(url: str, key: str) -> str:
+    """Validate every protocol of a (possibly chained) URL; return the innermost one."""
+    protocol = "file"
+    for part in url.split("::"):
+        found, _ = fsspec.core.split_protocol(part)
+        protocol = found or "file"
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ValueError as err:
+            raise ConfigError(
+                key,
+                "url",
+                f"has an unknown protocol {protocol!r} ({err}): use s3://, gs://, az://, file://, memory:// or "
+                f"another fsspec protocol; got {url!r}",
+            ) from err
+        except ImportError as err:
+            raise ImportError(
+                f"{key}.url={url!r} needs a package that is not installed: {err} "
+                "(for S3: pip install 'lightning-resilience[s3]')"
+            ) from err
+    return protocol

@@ -33,16 +33,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from lightning_resilience._configurable import ConfigError
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.format import MANIFEST, write_synced
 from lightning_resilience.checkpoint.layout import rank_dirname, rank_dirs, step_dirname, step_dirs
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
-from lightning_resilience.checkpoint.tier import TierIdentity
+from lightning_resilience.checkpoint.tier import Durability, TierIdentity, Written
+from lightning_resilience.collective import Deadline, SideGroup
 
 __all__ = ["PLACEMENTS", "PeerTier", "ReplicaPlacement", "default_peer_path"]
 
@@ -145,7 +143,8 @@ class PeerTier(LocalTier):
         def build(self) -> PeerTier:
             return PeerTier(self)
 
-    durability = 1
+    durability = Durability.peer
+    collective = True
 
     def __init__(self, *args: Any, **settings: Any) -> None:
         super().__init__(*args, **settings)
@@ -158,7 +157,7 @@ class PeerTier(LocalTier):
         self.ranks_per_node = config.ranks_per_node
         self.timeout = timedelta(seconds=config.timeout_s)
         self.placement = ReplicaPlacement(1, 1, 0)
-        self._group: Any = None
+        self._group = SideGroup(f"tiers.{self.name}", self.timeout, local=True)  # peers come with bind
         self.sent_bytes = 0
         self.received_bytes = 0
         self.recovered: list[tuple[int, int, int]] = []
@@ -169,11 +168,6 @@ class PeerTier(LocalTier):
             f"PeerTier({self.path_template!r}, every_n_steps={self.every_n_steps}, keep={self.keep}, "
             f"replicas={self.replicas})"
         )
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_group"] = None  # a process group belongs to the process that made it
-        return state
 
     def bind(self, identity: TierIdentity) -> None:
         """Resolve this node's directory and, when distributed, create the transfer group (collective)."""
@@ -190,54 +184,52 @@ class PeerTier(LocalTier):
                 self.placement.num_nodes,
                 self.placement.replicas,
             )
-        if identity.world_size > 1 and dist.is_available() and dist.is_initialized():
-            self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+        self._group = SideGroup(f"tiers.{self.name}", self.timeout)
         super().bind(identity)
         for source in self.placement.sources(identity.rank):
             self._remove_leftovers(rank_dirname(source))
 
     # ------------------------------------------------------------------ write
-    def write(self, snap: StagedSnapshot) -> None:
-        """Commit our shard in node RAM, then exchange shards with our ring neighbours (every rank, same step)."""
-        error: OSError | None = None
+    def write(self, snap: StagedSnapshot, deadline: Deadline | None = None) -> Written:
+        """Commit our shard in node RAM, then exchange shards with our ring neighbours (every rank, same step).
+
+        Whatever the local commit does (an I/O error, a bug, the deadline), this rank still takes part in the
+        exchange, sending "nothing" instead of its shard: its partners never wait for a shard that will not come.
+        The exchange is bounded by ``deadline`` (and the tier's timeout); a partner that does not come is a
+        :class:`~lightning_resilience.collective.CollectiveError` within that bound.
+        """
+        error: Exception | None = None
+        written = Written(snap.step, 0)
         try:
-            super().write(snap)
-        except OSError as err:
-            error = err  # still take part in the exchange: the partner must not wait for a shard that never comes
-        if self._group is not None:
+            written = super().write(snap, deadline)
+        except Exception as err:
+            error = err
+        if self._group.distributed:
             me = self._identity.rank
-            payload = None if error else self._packed(snap.step, me)
-            for target, source in zip(self.placement.targets(me), self.placement.sources(me)):
-                received = self._exchange(snap.step, payload, target, source)
+            sources = self.placement.sources(me)
+            payload = None if error is not None else self._packed(snap.step, me)
+            frames = self._group.exchange(
+                _frame(snap.step, payload),
+                send_to=self.placement.targets(me),
+                recv_from=sources,
+                op="peer.exchange",
+                step=snap.step,
+                deadline=deadline,
+            )
+            if payload is not None:
+                self.sent_bytes += len(payload) * len(self.placement.targets(me))
+            for source, frame in zip(sources, frames):
+                received = _unframe(frame, snap.step, source)
                 if received is not None:
+                    self.received_bytes += len(received)
                     self._commit_replica(snap.step, source, received)
         if error is not None:
             raise error
+        return written
 
-    def _exchange(self, step: int, payload: bytes | None, target: int, source: int) -> bytes | None:
-        """Send our shard to ``target`` while receiving ``source``'s; None if the source had nothing to send."""
-        header = torch.tensor([step, -1 if payload is None else len(payload)], dtype=torch.int64)
-        pending = [dist.isend(header, target, group=self._group)]
-        if payload is not None:
-            pending.append(
-                dist.isend(torch.frombuffer(bytearray(payload), dtype=torch.uint8), target, group=self._group)
-            )
-            self.sent_bytes += len(payload)
-        incoming = torch.empty(2, dtype=torch.int64)
-        dist.recv(incoming, source, group=self._group)
-        got_step, size = int(incoming[0]), int(incoming[1])
-        data = None
-        if size >= 0:
-            buf = torch.empty(size, dtype=torch.uint8)
-            dist.recv(buf, source, group=self._group)
-            data = buf.numpy().tobytes()
-            self.received_bytes += size
-        for work in pending:
-            if work is not None:
-                work.wait()
-        if got_step != step:
-            raise OSError(f"peer rank {source} sent step {got_step} while step {step} was being replicated")
-        return data
+    def write_local(self, snap: StagedSnapshot, deadline: Deadline | None = None) -> Written:
+        """This rank's own copy in node RAM, no exchange (a rank-local emergency save: peers may be gone)."""
+        return super().write(snap, deadline)
 
     def _commit_replica(self, step: int, owner: int, payload: bytes) -> None:
         self._commit(step, lambda tmp: _unpack(payload, tmp), rank_name=rank_dirname(owner))
@@ -261,7 +253,7 @@ class PeerTier(LocalTier):
                     held.setdefault(owner, []).append(step)
         return held
 
-    def prepare_restore(self) -> list[int]:
+    def prepare_restore(self, deadline: Deadline | None = None) -> list[int]:
         """Collective: bring every rank its shards of the steps that the surviving nodes hold in full.
 
         Every rank reports what its node holds; for each step of which every rank's shard is held somewhere
@@ -269,11 +261,10 @@ class PeerTier(LocalTier):
         Returns those steps. A shard that fails to arrive, or arrives corrupt, leaves its step unloadable for
         that rank, and the collective restore falls back to an older step or another tier.
         """
-        if self._group is None:
+        if not self._group.distributed:
             return []
         world = self._identity.world_size
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, self.inventory(), group=self._group)
+        gathered = self._group.all_gather_object(self.inventory(), op="peer.inventory", deadline=deadline)
         holders: dict[tuple[int, int], list[int]] = {}
         for rank, held in enumerate(gathered):
             for owner, steps in held.items():
@@ -284,26 +275,38 @@ class PeerTier(LocalTier):
             reverse=True,
         )
         me = self._identity.rank
-        for step in complete:
+        for step in complete:  # one global order of transfers: every send meets its receive
             for owner in range(world):
                 if step in gathered[owner].get(owner, []):
                     continue  # its own node still has it
                 holder = min(holders[(owner, step)])
                 if me == holder:
-                    self._send_shard(self._packed(step, owner), owner)
+                    packed = self._packed(step, owner)
+                    self._group.exchange(
+                        _frame(step, packed), send_to=[owner], recv_from=[], op="peer.recover", deadline=deadline
+                    )
+                    self.sent_bytes += len(packed or b"")
                 elif me == owner:
-                    payload = self._recv_shard(holder)
-                    if payload is None:
-                        log.warning("rank %d: peer rank %d could not send the shard of step %d", me, holder, step)
-                        continue
-                    try:  # keep pairing the remaining transfers whatever happens to this one
-                        self._commit_replica(step, owner, payload)
-                    except OSError as err:
-                        log.warning("rank %d: shard of step %d from peer rank %d not kept: %s", me, step, holder, err)
-                        continue
-                    self.recovered.append((step, owner, holder))
-                    log.warning("rank %d: shard of step %d recovered from peer rank %d", owner, step, holder)
+                    (frame,) = self._group.exchange(
+                        None, send_to=[], recv_from=[holder], op="peer.recover", deadline=deadline
+                    )
+                    self._keep_recovered(step, holder, frame)
         return complete
+
+    def _keep_recovered(self, step: int, holder: int, frame: bytes | None) -> None:
+        me = self._identity.rank
+        try:  # keep pairing the remaining transfers whatever happens to this one
+            payload = _unframe(frame, step, holder)
+            if payload is None:
+                log.warning("rank %d: peer rank %d could not send the shard of step %d", me, holder, step)
+                return
+            self.received_bytes += len(payload)
+            self._commit_replica(step, me, payload)
+        except OSError as err:
+            log.warning("rank %d: shard of step %d from peer rank %d not kept: %s", me, step, holder, err)
+            return
+        self.recovered.append((step, me, holder))
+        log.warning("rank %d: shard of step %d recovered from peer rank %d", me, step, holder)
 
     def _packed(self, step: int, owner: int) -> bytes | None:
         try:
@@ -312,21 +315,19 @@ class PeerTier(LocalTier):
             log.warning("cannot send the shard of rank %d step %d: %s", owner, step, err)
             return None
 
-    def _send_shard(self, payload: bytes | None, dst: int) -> None:
-        dist.send(torch.tensor([-1 if payload is None else len(payload)], dtype=torch.int64), dst, group=self._group)
-        if payload is not None:
-            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst, group=self._group)
-            self.sent_bytes += len(payload)
 
-    def _recv_shard(self, src: int) -> bytes | None:
-        size = torch.empty(1, dtype=torch.int64)
-        dist.recv(size, src, group=self._group)
-        if int(size.item()) < 0:
-            return None
-        buf = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.recv(buf, src, group=self._group)
-        self.received_bytes += buf.numel()
-        return buf.numpy().tobytes()
+def _frame(step: int, payload: bytes | None) -> bytes:
+    """What travels: the step (8 bytes), then the packed shard (nothing: "I have no shard to send")."""
+    return step.to_bytes(8, "little") + (payload or b"")
+
+
+def _unframe(frame: bytes | None, step: int, source: int) -> bytes | None:
+    if frame is None or len(frame) < 8:
+        raise OSError(f"peer rank {source} sent a malformed frame while step {step} was being replicated")
+    got = int.from_bytes(frame[:8], "little")
+    if got != step:
+        raise OSError(f"peer rank {source} sent step {got} while step {step} was being replicated")
+    return frame[8:] or None
 
 
 def _pack(shard: Path) -> bytes:

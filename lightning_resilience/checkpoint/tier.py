@@ -1,13 +1,51 @@
-"""The storage tier protocol: every place a checkpoint can live implements these few methods."""
+"""The storage tier protocols: every place a checkpoint can live implements :class:`Tier`; a tier that holds the
+snapshot buffers themselves implements :class:`RamTier`, one that exchanges with peers :class:`CollectiveTier`.
+
+The manager never asks a tier what it is (no ``isinstance``, no ``getattr``): what it needs to know is in the
+protocol. ``durability`` says what a copy survives (where a tier sits in the restore order; ``process`` marks a
+:class:`RamTier`), ``collective`` says that every rank must call :meth:`Tier.write` together (a
+:class:`CollectiveTier`), ``write`` returns what it committed, and :meth:`Tier.reshard_root` has an answer on
+every tier.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from lightning_resilience._configurable import ConfigError
-from lightning_resilience.checkpoint.snapshot import StagedSnapshot
+from lightning_resilience._configurable import ConfigError, StrEnum
+from lightning_resilience.checkpoint.snapshot import HostSnapshot, StagedSnapshot
+from lightning_resilience.collective import Deadline
 
-__all__ = ["Tier", "TierIdentity", "check_cadence"]
+__all__ = [
+    "CollectiveTier",
+    "Durability",
+    "RamTier",
+    "Tier",
+    "TierIdentity",
+    "Written",
+    "check_cadence",
+    "restore_order",
+]
+
+
+class Durability(StrEnum):
+    """What a copy survives, weakest first (the reliability simulator uses the same words)."""
+
+    process = "process"
+    """Process memory: a restore within the process (rollback, retry) only."""
+    host = "host"
+    """The node (local disk, node RAM outliving the workers): a process restart, not the loss of the node."""
+    peer = "peer"
+    """Copies on other nodes too: the loss of a node."""
+    remote = "remote"
+    """Off-node storage: everything short of losing the store."""
+
+    @property
+    def level(self) -> int:
+        return list(Durability).index(self)
 
 
 class TierIdentity:
@@ -20,6 +58,17 @@ class TierIdentity:
         self.world_size = world_size
 
 
+@dataclass(frozen=True)
+class Written:
+    """What one :meth:`Tier.write` committed."""
+
+    step: int
+    nbytes: int
+    """Bytes the tier now holds for this shard (a delta tier holds fewer than the snapshot's)."""
+    base: int | None = None
+    """The full step a delta shard was made against; None for a full shard."""
+
+
 @runtime_checkable
 class Tier(Protocol):
     """A place that holds committed checkpoints of this rank.
@@ -28,19 +77,27 @@ class Tier(Protocol):
         name: short unique label used in logs, metrics and the report (``memory``, ``local``, ``s3``...).
         every_n_steps: how often a snapshot is sent to this tier.
         keep: how many committed steps this tier retains.
-        durability: higher survives more (0 = process memory, 1 = node-local disk, 2 = off-node storage).
+        durability: what a copy survives.
+        collective: True when :meth:`write` exchanges with peers: every rank must call it for the same step,
+            whatever happened before (a failed local commit is carried into the exchange, never skips it).
     """
 
     name: str
     every_n_steps: int
     keep: int
-    durability: int
+    durability: Durability
+    collective: bool
 
     def bind(self, identity: TierIdentity) -> None:
-        """Called once before use with this process's rank and the world size."""
+        """Called once before use with this process's rank and the world size (collective for a collective
+        tier: every rank calls it, in the same order)."""
 
-    def write(self, snap: StagedSnapshot) -> None:
-        """Commit ``snap`` atomically: after a crash at any instant the step is either fully there or absent."""
+    def write(self, snap: StagedSnapshot, deadline: Deadline | None = None) -> Written:
+        """Commit ``snap`` atomically: after a crash at any instant the step is either fully there or absent.
+
+        ``deadline`` bounds the write (an emergency save passes what is left of its budget): a tier that cannot
+        finish in time raises :class:`TimeoutError` (an ``OSError``) and commits nothing.
+        """
 
     def read(self, step: int) -> StagedSnapshot:
         """Return the validated snapshot of ``step``; the caller owns its tensors.
@@ -50,10 +107,56 @@ class Tier(Protocol):
         """
 
     def list_steps(self) -> list[int]:
-        """Committed steps of this rank, oldest first (cheap: validation happens in :meth:`read`)."""
+        """Committed steps of this rank, oldest first. Cheap and local: it never waits on a network (a remote
+        tier answers from what it knows; validation happens in :meth:`read`)."""
 
     def delete(self, step: int) -> None:
         """Remove a committed step; a reader never sees it half-deleted."""
+
+    def reshard_root(self) -> Path | None:
+        """The directory whose steps every rank can read whole, for restoring a step written by another world
+        size; None for a tier that cannot serve one."""
+
+
+@runtime_checkable
+class RamTier(Tier, Protocol):
+    """A tier of ``Durability.process`` that holds the snapshot buffers themselves: no copy to keep a step, none
+    to restore it."""
+
+    def adopt(self, slot: HostSnapshot, release: Callable[[HostSnapshot], None]) -> Written:
+        """Hold a pool slot (already retained for this tier); ``release`` gives it back when evicted."""
+
+    def holds(self, step: int) -> bool:
+        """True when ``step`` can be taken (cheap; consumes nothing)."""
+
+    def take(self, step: int) -> StagedSnapshot:
+        """Hand ``step``'s buffers over to the caller for good; only after every rank agreed on the step."""
+
+
+@runtime_checkable
+class CollectiveTier(Tier, Protocol):
+    """A tier whose writes exchange with peers (``collective`` is True). Its :meth:`Tier.bind` creates its side
+    group (every rank, same order); its :meth:`Tier.write` is entered by every rank for the same step; before a
+    restore every rank calls :meth:`prepare_restore`."""
+
+    def prepare_restore(self, deadline: Deadline | None = None) -> list[int]:
+        """Collective: make this rank's copies loadable, e.g. fetch the shards that peers hold for it. Returns the
+        steps it made available."""
+
+    def write_local(self, snap: StagedSnapshot, deadline: Deadline | None = None) -> Written:
+        """Commit this rank's own copy only, exchanging nothing: a rank-local save, when peers may be gone."""
+
+
+def restore_order(tiers: list[Tier]) -> list[Tier]:
+    """Fastest first: process RAM, then node-local tiers in the order given (node RAM, local disk...), then
+    off-node stores. Restores try tiers in this order; persists and emergency saves write in it."""
+
+    def rank(tier: Tier) -> int:
+        if tier.durability is Durability.process:
+            return 0
+        return 2 if tier.durability is Durability.remote else 1
+
+    return sorted(tiers, key=rank)
 
 
 def check_cadence(owner: str, every_n_steps: int, keep: int) -> None:

@@ -12,9 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_resilience.checkpoint.manager import CheckpointStats
-from lightning_resilience.checkpoint.memory import MemoryTier
-from lightning_resilience.checkpoint.replication import PeerTier
-from lightning_resilience.checkpoint.tier import Tier
+from lightning_resilience.checkpoint.tier import Durability, Tier
 from lightning_resilience.report.model import ResilienceReport, finite
 
 __all__ = ["assemble", "checkpoint_section", "thin"]
@@ -38,7 +36,8 @@ def checkpoint_section(
     triggers snapshots: the RAM tiers when there are any (persistent tiers then copy in the background), otherwise
     every persistent tier.
     """
-    triggers = {t.name for t in tiers if isinstance(t, MemoryTier)} or {t.name for t in tiers}
+    ram = {t.name for t in tiers if t.durability is Durability.process}
+    triggers = ram or {t.name for t in tiers}
     out_tiers: dict[str, Any] = {}
     for tier in tiers:
         t = stats.tiers.get(tier.name)
@@ -47,14 +46,14 @@ def checkpoint_section(
         out_tiers[tier.name] = {
             "every_n_steps": tier.every_n_steps,
             "keep": tier.keep,
-            "durability": _durability(tier),
+            "durability": str(tier.durability),
             "kind": type(tier).__name__,
             "writes": t.writes,
             "failures": t.failures,
             "deferred": t.deferred,
             "bytes": t.bytes,
             "seconds": t.seconds,
-            "write_seconds": 0.0 if isinstance(tier, MemoryTier) else (t.seconds / t.writes if t.writes else 0.0),
+            "write_seconds": 0.0 if tier.name in ram else (t.seconds / t.writes if t.writes else 0.0),
             "blocking_seconds": stats.capture_seconds_mean if tier.name in triggers else 0.0,
             "restore_seconds": stats.restore_seconds if stats.restored_from == tier.name else 0.0,
             "last_step": t.last_step,
@@ -76,14 +75,6 @@ def checkpoint_section(
         "tiers": out_tiers,
         "blocking_timeline": [[int(s), float(v)] for s, v in thin(list(blocking_timeline), _SERIES_CAP)],
     }
-
-
-def _durability(tier: Tier) -> str:
-    if isinstance(tier, MemoryTier):
-        return "process"
-    if isinstance(tier, PeerTier):
-        return "peer"
-    return "remote" if tier.durability >= 2 else "host"
 
 
 def thin(points: list[Any], cap: int) -> list[Any]:

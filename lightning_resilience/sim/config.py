@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+
+from lightning_resilience._configurable import as_enum
+from lightning_resilience.checkpoint.tier import Durability
 
 __all__ = [
     "DURABILITIES",
+    "Durability",
     "FAILURE_KINDS",
     "RESTART_PATHS",
     "ClusterConfig",
@@ -21,8 +24,7 @@ __all__ = [
     "default_tiers",
 ]
 
-Durability = Literal["process", "host", "peer", "remote"]
-DURABILITIES: tuple[str, ...] = ("process", "host", "peer", "remote")
+DURABILITIES: tuple[str, ...] = tuple(Durability.values())
 """Where a tier's copy lives, weakest first: process memory (survives only an in-process restart), the host (RAM
 shared with a persistent agent or local disk: survives a process restart, not a node loss), a peer node (survives a
 single node loss), remote storage (survives everything)."""
@@ -178,7 +180,7 @@ class SimTierConfig:
     before then leaves the previous checkpoint; a write longer than the interval defers the next checkpoint."""
     restore_s: float = 0.0
     """Seconds to load the checkpoint back into the job after a restart."""
-    durability: Durability = "remote"
+    durability: Durability = Durability.remote
     """What the copy survives: ``process``, ``host``, ``peer`` or ``remote`` (see DURABILITIES)."""
     keep: int = 2
     """Committed checkpoints retained (older ones matter when an SDC corrupts the newest)."""
@@ -194,8 +196,7 @@ class SimTierConfig:
         _non_negative(f"{key}.blocking_s", self.blocking_s)
         _non_negative(f"{key}.write_s", self.write_s)
         _non_negative(f"{key}.restore_s", self.restore_s)
-        if self.durability not in DURABILITIES:
-            raise ValueError(f"{key}.durability must be one of {DURABILITIES}, got {self.durability!r}")
+        self.durability = as_enum(Durability, self.durability, key, "durability")
         if not isinstance(self.keep, int) or self.keep < 1:
             raise ValueError(f"{key}.keep must be an integer >= 1, got {self.keep!r}")
 
@@ -210,7 +211,9 @@ class SimTierConfig:
 def default_tiers() -> list[SimTierConfig]:
     """Peer-replicated host RAM every 5 minutes of training, remote storage every hour (asynchronous writes)."""
     return [
-        SimTierConfig(name="peer", every_s=300.0, blocking_s=0.5, write_s=10.0, restore_s=10.0, durability="peer"),
+        SimTierConfig(
+            name="peer", every_s=300.0, blocking_s=0.5, write_s=10.0, restore_s=10.0, durability=Durability.peer
+        ),
         SimTierConfig(name="remote", every_s=3600.0, blocking_s=2.0, write_s=300.0, restore_s=94.0),
     ]
 

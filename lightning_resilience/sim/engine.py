@@ -28,9 +28,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -40,6 +37,8 @@ from lightning_resilience.sim.config import (
     FailureKindConfig,
     SimConfig,
 )
+from lightning_resilience.sim.failures import FailureTrace, draw_failures
+from lightning_resilience.sim.results import CATEGORIES, Breakdown, MonteCarloResult, SimResult
 
 __all__ = [
     "CATEGORIES",
@@ -52,197 +51,11 @@ __all__ = [
     "simulate_many",
 ]
 
-CATEGORIES: tuple[str, ...] = ("productive", "checkpoint", "lost", "detection", "restart", "restore", "degraded")
 _SURVIVES = {  # loss scope -> durabilities that keep their copy
     "none": frozenset({"process", "host", "peer", "remote"}),
     "process": frozenset({"host", "peer", "remote"}),
     "node": frozenset({"peer", "remote"}),
 }
-
-
-@dataclass(frozen=True)
-class FailureTrace:
-    """Failure arrivals in time order: seconds since the job started, kind name, node index."""
-
-    times: np.ndarray
-    kinds: tuple[str, ...]
-    nodes: np.ndarray
-
-    def __post_init__(self) -> None:
-        if not (len(self.times) == len(self.kinds) == len(self.nodes)):
-            raise ValueError("failure trace: times, kinds and nodes must have the same length")
-        if len(self.times) and np.any(np.diff(self.times) < 0):
-            raise ValueError("failure trace: times must be sorted ascending")
-        unknown = sorted(set(self.kinds) - set(FAILURE_KINDS))
-        if unknown:
-            raise ValueError(f"failure trace: unknown failure kinds {unknown}; expected {FAILURE_KINDS}")
-
-    @classmethod
-    def of(cls, events: Sequence[tuple[float, str] | tuple[float, str, int]]) -> FailureTrace:
-        """A trace from ``(time, kind)`` or ``(time, kind, node)`` tuples (node 0 when omitted)."""
-        ordered = sorted(events, key=lambda e: e[0])
-        return cls(
-            times=np.array([float(e[0]) for e in ordered], dtype=float),
-            kinds=tuple(str(e[1]) for e in ordered),
-            nodes=np.array([int(e[2]) if len(e) > 2 else 0 for e in ordered], dtype=np.int64),  # type: ignore[misc]
-        )
-
-    def __len__(self) -> int:
-        return len(self.times)
-
-
-@dataclass
-class Breakdown:
-    """Where the wall-clock time went, in seconds."""
-
-    productive: float = 0.0
-    """Steps that are part of the final result."""
-    checkpoint: float = 0.0
-    """Training loop stopped for checkpoints (blocking part only)."""
-    lost: float = 0.0
-    """Steps computed and then rolled back (including training on corrupted state before an SDC was detected)."""
-    detection: float = 0.0
-    """Stalled between a crash or hang and its detection."""
-    restart: float = 0.0
-    """Restart paths (respawn, requeue, spare swap)."""
-    restore: float = 0.0
-    """Loading checkpoints back."""
-    degraded: float = 0.0
-    """Extra step time while a fail-slow node was in the job."""
-
-    @property
-    def total(self) -> float:
-        return sum(getattr(self, c) for c in CATEGORIES)
-
-    def as_dict(self) -> dict[str, float]:
-        return {c: float(getattr(self, c)) for c in CATEGORIES}
-
-    def fractions(self) -> dict[str, float]:
-        total = self.total
-        return {c: (getattr(self, c) / total if total > 0 else 0.0) for c in CATEGORIES}
-
-
-@dataclass
-class SimResult:
-    """The outcome of one simulated job."""
-
-    wall_s: float
-    """Wall-clock seconds simulated (the horizon, or the time the target step was reached)."""
-    breakdown: Breakdown
-    final_step: int
-    failures: dict[str, int]
-    """Failures handled, by kind."""
-    restarts: dict[str, int]
-    """Restarts begun, by path (an interrupted recovery counts again)."""
-    restores: dict[str, int]
-    """Restores, by tier name (``scratch`` when no checkpoint was left)."""
-    job_mttf_s: float
-    seed: int | None
-    sim_seconds: float = 0.0
-    """Host seconds the simulation took."""
-
-    @property
-    def ettr(self) -> float:
-        """Effective training time ratio: productive time / wall time."""
-        return self.breakdown.productive / self.wall_s if self.wall_s > 0 else 0.0
-
-    def report(self) -> dict[str, Any]:
-        return {
-            "ettr": self.ettr,
-            "wall_s": self.wall_s,
-            "final_step": self.final_step,
-            "breakdown_s": self.breakdown.as_dict(),
-            "breakdown_fraction": self.breakdown.fractions(),
-            "failures": dict(self.failures),
-            "restarts": dict(self.restarts),
-            "restores": dict(self.restores),
-            "job_mttf_s": self.job_mttf_s,
-            "seed": self.seed,
-            "sim_seconds": self.sim_seconds,
-        }
-
-    def summary(self) -> str:
-        fr = self.breakdown.fractions()
-        parts = ", ".join(f"{c} {100 * fr[c]:.2f}%" for c in CATEGORIES)
-        return (
-            f"ETTR {self.ettr:.4f} over {self.wall_s / 86400:.2f} days, {sum(self.failures.values())} failures "
-            f"(job MTTF {self.job_mttf_s / 3600:.2f} h): {parts}"
-        )
-
-
-@dataclass
-class MonteCarloResult:
-    """Several independent replications of one configuration."""
-
-    runs: list[SimResult] = field(default_factory=list)
-
-    @property
-    def ettrs(self) -> np.ndarray:
-        return np.array([r.ettr for r in self.runs], dtype=float)
-
-    @property
-    def ettr_mean(self) -> float:
-        return float(self.ettrs.mean())
-
-    @property
-    def ettr_stderr(self) -> float:
-        n = len(self.runs)
-        return float(self.ettrs.std(ddof=1) / math.sqrt(n)) if n > 1 else 0.0
-
-    def breakdown_fractions(self) -> dict[str, float]:
-        """Mean share of wall time per category over the replications."""
-        return {c: float(np.mean([r.breakdown.fractions()[c] for r in self.runs])) for c in CATEGORIES}
-
-    def report(self) -> dict[str, Any]:
-        return {
-            "replications": len(self.runs),
-            "ettr_mean": self.ettr_mean,
-            "ettr_stderr": self.ettr_stderr,
-            "ettr_min": float(self.ettrs.min()),
-            "ettr_max": float(self.ettrs.max()),
-            "breakdown_fraction": self.breakdown_fractions(),
-            "failures_mean": float(np.mean([sum(r.failures.values()) for r in self.runs])),
-            "sim_seconds_total": float(sum(r.sim_seconds for r in self.runs)),
-        }
-
-
-def draw_failures(cfg: SimConfig, rng: np.random.Generator, horizon_s: float | None = None) -> FailureTrace:
-    """Draw every failure of the job up to the horizon: a renewal process per node, merged in time order.
-
-    Each node's times between failures are exponential (``weibull_shape == 1``) or Weibull with that shape, with
-    mean ``node MTTF = mttf_s * ref_gpus / gpus_per_node``; all nodes start fresh at time 0 and a failed node is
-    renewed (repaired or replaced). Kinds are drawn independently with the configured fractions.
-    """
-    horizon = cfg.job.horizon_s if horizon_s is None else horizon_s
-    nodes = cfg.cluster.nodes
-    mean = cfg.failures.node_mttf_s(cfg.cluster.gpus_per_node)
-    shape = cfg.failures.weibull_shape
-    scale = mean / math.gamma(1.0 + 1.0 / shape)
-    block = max(4, int(2 * horizon / mean) + 4)
-    last = np.zeros(nodes)
-    times: list[np.ndarray] = []
-    ids: list[np.ndarray] = []
-    active = np.arange(nodes)
-    while active.size:
-        if shape == 1.0:
-            gaps = rng.exponential(mean, size=(active.size, block))
-        else:
-            gaps = scale * rng.weibull(shape, size=(active.size, block))
-        arrivals = last[active, None] + np.cumsum(gaps, axis=1)
-        inside = arrivals <= horizon
-        times.append(arrivals[inside])
-        ids.append(np.broadcast_to(active[:, None], arrivals.shape)[inside])
-        last[active] = arrivals[:, -1]
-        active = active[last[active] <= horizon]
-    all_times = np.concatenate(times) if times else np.empty(0)
-    all_nodes = np.concatenate(ids) if ids else np.empty(0, dtype=np.int64)
-    order = np.argsort(all_times, kind="stable")
-    fractions = np.array([k.fraction for k in cfg.failures.kinds], dtype=float)
-    picks = rng.choice(len(fractions), size=len(order), p=fractions / fractions.sum())
-    names = [k.name for k in cfg.failures.kinds]
-    return FailureTrace(
-        times=all_times[order], kinds=tuple(names[p] for p in picks), nodes=all_nodes[order].astype(np.int64)
-    )
 
 
 class _Tier:

@@ -16,6 +16,7 @@ bucket, authentication off) and ``own_s3`` (a private server a test may kill).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -189,6 +190,15 @@ class S3Endpoint:
             client.create_bucket(Bucket=self.bucket)
         except client.exceptions.BucketAlreadyOwnedByYou:
             pass
+
+
+@contextlib.contextmanager
+def black_hole(endpoint: S3Endpoint) -> Iterator[None]:
+    """The store stops answering: the server is killed and its port listens without ever accepting, so every
+    request connects and then waits for an answer that never comes (a hung endpoint, not a refused one)."""
+    endpoint.server.kill()
+    with socket.create_server(("127.0.0.1", endpoint.server.port), backlog=64):
+        yield
 
 
 def _started(port: int = 0) -> S3Server:

@@ -24,7 +24,7 @@ from lightning_resilience.checkpoint.local import LocalTier, step_dirname
 from lightning_resilience.checkpoint.manager import CheckpointManager
 from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.checkpoint.remote import RemoteFault, RemoteTier, RemoteTierError, classify_error
-from lightning_resilience.checkpoint.tier import Tier, TierIdentity
+from lightning_resilience.checkpoint.tier import Durability, Tier, TierIdentity
 from tests.checkpoint import _s3server
 from tests.checkpoint._s3server import S3Endpoint
 from tests.checkpoint.conftest import (
@@ -101,7 +101,7 @@ def test_remote_tier_satisfies_the_tier_protocol(tmp_path: Path) -> None:
     """RemoteTier is usable wherever a Tier is expected, and ranks as the most durable tier."""
     tier = RemoteTier(f"file://{tmp_path}")
     assert isinstance(tier, Tier)
-    assert tier.durability == 2 > LocalTier(tmp_path).durability
+    assert tier.durability is Durability.remote and tier.durability.level > LocalTier(tmp_path).durability.level
     assert (tier.name, tier.every_n_steps, tier.keep, tier.retries_total) == ("remote", 500, 3, 0)
 
 

@@ -38,6 +38,8 @@ from lightning_resilience.checkpoint.reshard import (
     reshardable_steps,
     restore_resharded,
 )
+from lightning_resilience.checkpoint.reshard import agree as reshard_agree
+from lightning_resilience.checkpoint.reshard import load as reshard_load
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tier import TierIdentity
 from lightning_resilience.checkpoint.tree import flatten_state, placement_from_text
@@ -215,7 +217,7 @@ def _scenario_agreed(rank: int, tmp: Path) -> dict[str, Any]:
         loaded.append(plan.step)
         return load(plan, new_rank, **kwargs)
 
-    reshard.load_resharded = spy  # type: ignore[assignment]
+    reshard_load.load_resharded = spy  # type: ignore[assignment]
     out: dict[str, Any] = {}
     if rank < 2:
         if rank == 1:  # this rank alone cannot plan step 12 (as if a shard were missing from its view)
@@ -226,7 +228,7 @@ def _scenario_agreed(rank: int, tmp: Path) -> dict[str, Any]:
                     raise ReshardError(f"{step_dir}: injected refusal")
                 return plan(step_dir, new_world_size, **kwargs)
 
-            reshard.plan_reshard = refuse_12  # type: ignore[assignment]
+            reshard_agree.plan_reshard = refuse_12  # type: ignore[assignment]
         skipped: list[str] = []
         gather, all_true = _group_ops(pair, 2)
         found = reshard.restore_resharded_agreed(
@@ -562,7 +564,7 @@ def nothing_read(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Records any tensor-data read or data-file validation; a pre-flight refusal must leave it empty."""
     reads: list[str] = []
     original_read = FileSystemReader.read_data
-    original_validate = reshard.validate_shard
+    original_validate = reshard_load.validate_shard
 
     def read_data(self: Any, *args: Any, **kwargs: Any) -> Any:
         reads.append(f"read_data {self.path}")
@@ -573,7 +575,7 @@ def nothing_read(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return original_validate(directory, **kwargs)
 
     monkeypatch.setattr(FileSystemReader, "read_data", read_data)
-    monkeypatch.setattr(reshard, "validate_shard", validate)
+    monkeypatch.setattr(reshard_load, "validate_shard", validate)
     return reads
 
 

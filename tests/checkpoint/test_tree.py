@@ -139,10 +139,7 @@ def test_numpy_arrays_roundtrip_with_dtype_and_layout() -> None:
 
 
 def test_zero_dim_numpy_array_keeps_its_shape() -> None:
-    """A 0-dim ndarray (np.array(3.5)) comes back 0-dim, not as shape (1,).
-
-    Fails today: tree.py uses np.ascontiguousarray, which promotes 0-dim arrays to 1-dim.
-    """
+    """A 0-dim ndarray (np.array(3.5)) comes back 0-dim, not as shape (1,)."""
     restored, flat = _roundtrip({"scalar": np.array(3.5), "count": np.array(7, dtype=np.int64)})
     assert flat.specs()["scalar"].shape == ()
     _assert_same(restored, {"scalar": np.array(3.5), "count": np.array(7, dtype=np.int64)})
@@ -258,10 +255,7 @@ class _Mode(enum.IntEnum):
 
 
 def test_int_enum_is_not_silently_stringified() -> None:
-    """An IntEnum is stored as its repr (a str replaces an int on restore), so like any lossy value it must warn.
-
-    Fails today: tree.py returns ``{"repr": ...}`` for int-valued enums without calling ``note``.
-    """
+    """An IntEnum is stored as its repr (a str replaces an int on restore), so like any lossy value it must warn."""
     messages: list[str] = []
     restored, _ = _roundtrip({"mode": _Mode.FAST}, warn=messages.append)
     if restored["mode"] == _Mode.FAST:
@@ -270,20 +264,14 @@ def test_int_enum_is_not_silently_stringified() -> None:
 
 
 def test_numpy_float64_nonfinite_roundtrips() -> None:
-    """np.float64 is a float subclass; inf/nan held as np.float64 (e.g. a metric from numpy) must round-trip.
-
-    Fails today with numpy>=2: tree.py stores ``repr(obj)`` == "np.float64(inf)", which float() cannot parse.
-    """
+    """np.float64 is a float subclass; inf/nan held as np.float64 (e.g. a metric from numpy) must round-trip."""
     state = {"best": np.float64(np.inf), "worst": np.float64(-np.inf), "last": np.float64(np.nan)}
     restored, _ = _roundtrip(state)
     assert restored["best"] == math.inf and restored["worst"] == -math.inf and math.isnan(restored["last"])
 
 
 def test_unsupported_numpy_array_is_stored_as_repr_not_a_crash() -> None:
-    """A NumPy array torch cannot hold (str/object dtype) is a lossy value: repr + one warning, not a TypeError.
-
-    Fails today: tree.py calls torch.from_numpy on every ndarray and the TypeError aborts the whole checkpoint.
-    """
+    """A NumPy array torch cannot hold (str/object dtype) is a lossy value: repr + one warning, not a TypeError."""
     messages: list[str] = []
     flat = flatten_state(
         {"labels": np.array(["cat", "dog"]), "objs": np.array([None, 1], dtype=object)}, warn=messages.append

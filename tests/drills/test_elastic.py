@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.drills.test_torchrun_kill import ROOT, _free_port
+from tests._ranks import free_port
+from tests.drills.test_torchrun_kill import ROOT
 
 SCRIPT = ROOT / "tests" / "drills" / "_elastic_script.py"
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.slow
 def _torchrun(world: int, ckpt: Path, out: Path, steps: int) -> list[dict]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(SCRIPT),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(SCRIPT),
         "--ckpt-dir", str(ckpt), "--out", str(out), "--steps", str(steps),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

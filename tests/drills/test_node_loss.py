@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.drills.test_torchrun_kill import DRILL_SEED, ROOT, _assert_bitwise_equal, _free_port, _reports
+from tests._ranks import free_port
+from tests.drills.test_torchrun_kill import DRILL_SEED, ROOT, _assert_bitwise_equal, _reports
 
 SCRIPT = ROOT / "tests" / "drills" / "_node_loss_script.py"
 STEPS, WORLD = 20, 4
@@ -26,7 +27,7 @@ def _torchrun(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--max-restarts", "2",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(SCRIPT),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(SCRIPT),
         "--run-dir", str(run_dir), "--steps", str(STEPS), *args,
     ]  # fmt: skip
     env = {

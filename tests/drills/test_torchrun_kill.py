@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from lightning_resilience.checkpoint.layout import parse_rank, parse_step
+from tests._ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "drills" / "_train_script.py"
@@ -32,17 +32,11 @@ DRILL_SEED = int(os.environ.get("DRILL_SEED", "20241130"))
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _torchrun(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD_SIZE), "--max-restarts", "3",
-        "--master-port", str(_free_port()), str(SCRIPT),  # the static rendezvous: the line users type
+        "--master-port", str(free_port()), str(SCRIPT),  # the static rendezvous: the line users type
         "--ckpt-dir", str(run_dir / "ckpt"), "--out", str(run_dir / "weights.pt"), "--steps", str(STEPS), *args,
     ]  # fmt: skip
     env = {

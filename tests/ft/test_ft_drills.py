@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from lightning_resilience.exit_codes import ExitCode
+from tests._ranks import free_port
 
 HANG_EXIT_CODE, PREEMPT_EXIT_CODE = int(ExitCode.HANG), int(ExitCode.PREEMPTED)
 
@@ -35,19 +35,13 @@ DRILL_SEED = int(os.environ.get("DRILL_SEED", "20241130"))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TORCHRUN_TIMEOUT_S + 30)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _torchrun(
     run_dir: Path, *args: str, launcher: tuple[str, ...] = (sys.executable, "-m", "torch.distributed.run")
 ) -> subprocess.CompletedProcess[str]:
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
         *launcher, "--nproc-per-node", str(WORLD_SIZE), "--max-restarts", "2",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(SCRIPT),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(SCRIPT),
         "--run-dir", str(run_dir), "--steps", str(STEPS), *args,
     ]  # fmt: skip
     if "--min-timeout" not in args:

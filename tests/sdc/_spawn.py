@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -17,13 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests._ranks import free_port
+
 PG_TIMEOUT = timedelta(seconds=60)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _child(rank: int, world: int, port: int, fn: Callable[..., Any], out: str, args: tuple[Any, ...]) -> None:
@@ -48,7 +43,7 @@ def run_ranks(fn: Callable[..., Any], world: int, tmp: Path, *args: Any, timeout
 
     Every rank must finish within ``timeout_s`` seconds of the start; later ones are killed."""
     ctx = mp.get_context("forkserver")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_child, args=(r, world, port, fn, str(tmp), args)) for r in range(world)]
     for p in procs:
         p.start()

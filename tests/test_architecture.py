@@ -1,0 +1,160 @@
+"""The package's shape, checked from its source: no import cycle between its parts, no oversized module.
+
+A *part* is a subpackage (``checkpoint``, ``straggler``...) or a top-level module (``collective``, ``policy``...).
+An import that runs when a module is imported (top level, not under ``TYPE_CHECKING``) is an edge from its part to
+the imported part; the root ``lightning_resilience/__init__.py`` (the public API, which imports everything) is not
+a part. Engines must not depend on the layers above them: the layering is asserted too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_resilience"
+MAX_LINES = 450
+ENGINES = {"checkpoint", "straggler", "sdc", "ft", "sim"}
+FRAMEWORK_FREE = ENGINES | {"collective", "policy", "exit_codes", "launch", "report"}
+"""Parts that never import Lightning, not even inside a function: only ``lightning/`` and ``integrations/`` do."""
+ABOVE_ENGINES = {"lightning", "integrations", "cli", "config", "launch", "report", "testing"}
+LIGHTNING_PACKAGES = {"lightning", "pytorch_lightning", "lightning_fabric"}
+
+
+def _parts() -> set[str]:
+    return {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or p.is_dir()} - {
+        "__init__",
+        "__pycache__",
+        "configs",
+        "recipes",
+    }
+
+
+def _part_of(module: str, parts: set[str]) -> str | None:
+    pieces = module.split(".")
+    if pieces[0] != "lightning_resilience" or len(pieces) < 2:
+        return None
+    return pieces[1] if pieces[1] in parts else None
+
+
+def _runtime_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Imports executed at import time: module level, including inside ``try``/``if`` but not ``TYPE_CHECKING``."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                found.append(node)
+            elif isinstance(node, ast.If):
+                if "TYPE_CHECKING" not in ast.unparse(node.test):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+                visit(node.orelse)
+                visit(node.finalbody)
+
+    visit(tree.body)
+    return found
+
+
+def _edges() -> dict[str, set[str]]:
+    parts = _parts()
+    edges: dict[str, set[str]] = {part: set() for part in parts}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE)
+        if rel.parts == ("__init__.py",):
+            continue
+        source = rel.parts[0].removesuffix(".py")
+        if source not in parts:
+            continue
+        for node in _runtime_imports(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif node.module == "lightning_resilience":  # from lightning_resilience import collective
+                targets = [f"lightning_resilience.{alias.name}" for alias in node.names]
+            else:
+                targets = [node.module or ""]
+            for target in targets:
+                part = _part_of(target, parts)
+                assert part is not None or not target.startswith("lightning_resilience"), (
+                    f"{rel}: imports {target}, the public API root: import the part that defines it instead"
+                )
+                if part is not None and part != source:
+                    edges[source].add(part)
+    return edges
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state:
+                found = walk(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state:
+            found = walk(node)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle_between_parts() -> None:
+    edges = _edges()
+    assert {"checkpoint", "collective", "config", "sim"} <= set(edges)  # the walk sees the package
+    cycle = _cycle(edges)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_engines_do_not_import_the_layers_above_them() -> None:
+    edges = _edges()
+    wrong = {engine: sorted(edges[engine] & ABOVE_ENGINES) for engine in ENGINES if edges[engine] & ABOVE_ENGINES}
+    assert not wrong, f"engines importing adapters, the CLI or the config registry: {wrong}"
+
+
+def test_the_walk_finds_a_cycle_when_there_is_one() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_over_the_size_limit() -> None:
+    sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    over = {name: n for name, n in sizes.items() if n > MAX_LINES}
+    assert not over, f"modules over {MAX_LINES} lines (split them along their seams): {over}"
+
+
+def _framework_free_files() -> list[Path]:
+    files = []
+    for part in sorted(FRAMEWORK_FREE):
+        path = PACKAGE / part
+        files.extend(sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")])
+    return files
+
+
+def test_engines_import_no_lightning_anywhere() -> None:
+    files = _framework_free_files()
+    assert PACKAGE / "checkpoint" / "manager.py" in files and PACKAGE / "collective.py" in files
+    wrong = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            wrong += [f"{path.relative_to(PACKAGE)}: {n}" for n in names if n.split(".")[0] in LIGHTNING_PACKAGES]
+    assert not wrong, f"framework-free parts importing Lightning (move it to lightning/): {wrong}"
