@@ -31,7 +31,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_resilience import LocalTier, ResilientDDPStrategy, TieredCheckpoint
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
+from lightning_resilience.checkpoint.tier import Written
 from lightning_resilience.checkpoint.tree import TensorSpec
+from lightning_resilience.collective import Deadline
 from tests.lightning._training import build, trainer, weights
 
 PERSIST_EVERY = 5
@@ -64,10 +66,10 @@ class StallingLocalTier(LocalTier):
         self.stall_step = stall_step
         self.stalled = threading.Event()
 
-    def write(self, snap: StagedSnapshot) -> None:
+    def write(self, snap: StagedSnapshot, deadline: Deadline | None = None) -> Written:
         if snap.step == self.stall_step:
             snap = _StallingSnapshot(snap, self.stalled)
-        super().write(snap)
+        return super().write(snap, deadline)
 
 
 class KillAt(Callback):

@@ -31,8 +31,9 @@ from torch.utils.data import DataLoader
 
 from lightning_resilience import DecidedExit, LocalTier, PeerTier, Suite, TieredCheckpoint
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
+from lightning_resilience.checkpoint.tier import Written
 from lightning_resilience.checkpoint.tree import TensorSpec
-from lightning_resilience.collective import set_fault_hook
+from lightning_resilience.collective import Deadline, set_fault_hook
 from lightning_resilience.config.registry import register_configs
 from lightning_resilience.lightning.suite import build_suite
 from tests.drills._train_script import _StallingSnapshot
@@ -86,8 +87,8 @@ def arm_persist_stall(fault: Fault, callbacks: list[Callback]) -> None:
     local = _local_tier(callbacks)
     write, step, stalled = local.write, fault.step, fault.in_flight
 
-    def stalling_write(snap: StagedSnapshot) -> None:
-        write(_StallingSnapshot(snap, stalled) if snap.step == step else snap)
+    def stalling_write(snap: StagedSnapshot, deadline: Deadline | None = None) -> Written:
+        return write(_StallingSnapshot(snap, stalled) if snap.step == step else snap, deadline)
 
     local.write = stalling_write  # type: ignore[method-assign]
 
@@ -97,11 +98,11 @@ def arm_full_disk(fault: Fault, callbacks: list[Callback]) -> None:
     local = _local_tier(callbacks)
     write, step, failed = local.write, fault.step // PERSIST_EVERY * PERSIST_EVERY, fault.in_flight
 
-    def full_disk_write(snap: StagedSnapshot) -> None:
+    def full_disk_write(snap: StagedSnapshot, deadline: Deadline | None = None) -> Written:
         if snap.step != step:
-            return write(snap)
+            return write(snap, deadline)
         try:
-            write(_FullDiskSnapshot(snap))
+            return write(_FullDiskSnapshot(snap), deadline)
         finally:
             failed.set()
 
