@@ -29,7 +29,7 @@ from hydra import compose, initialize_config_dir
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.utils.data import DataLoader
 
-from lightning_resilience import DecidedExit, LocalTier, PeerTier, Suite, TieredCheckpoint
+from lightning_resilience import DecidedExit, LocalTier, Suite, TieredCheckpoint
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tier import Written
 from lightning_resilience.checkpoint.tree import TensorSpec
@@ -125,20 +125,17 @@ def arm_restore_kill(args: argparse.Namespace, callbacks: list[Callback]) -> Non
     local.read = dying_read  # type: ignore[method-assign]
 
 
-def arm_peer_send_kill(args: argparse.Namespace, callbacks: list[Callback]) -> None:
-    """Make this rank die as it starts sending its shard of peer step ``--fault-step`` to its peer."""
-    tiered = next(c for c in callbacks if isinstance(c, TieredCheckpoint))
-    peer = next(t for t in tiered.tiers if isinstance(t, PeerTier))
-    exchange = peer._exchange
+def arm_peer_send_kill(args: argparse.Namespace) -> None:
+    """Make this rank die as it starts sending its shard of peer step ``--fault-step`` to its peer (the peer tier's
+    exchange of that step, on its side group)."""
 
-    def dying_exchange(step: int, payload: bytes | None, target: int, source: int) -> bytes | None:
-        if step == args.fault_step:
-            record_fault(args.run_dir, kind="sigkill-peer-send", rank=args.fault_rank, step=step, damaged=None)
-            print(f"DRILL: rank {args.fault_rank} SIGKILL sending step {step} to rank {target}", flush=True)
+    def dying_exchange(op: str, rank: int, step: int | None) -> None:
+        if op == "peer.exchange" and step == args.fault_step:
+            record_fault(args.run_dir, kind="sigkill-peer-send", rank=rank, step=step, damaged=None)
+            print(f"DRILL: rank {rank} SIGKILL sending step {step} to its peer", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        return exchange(step, payload, target, source)
 
-    peer._exchange = dying_exchange  # type: ignore[method-assign]
+    set_fault_hook(dying_exchange)
 
 
 def arm_collective_hang(args: argparse.Namespace) -> None:
@@ -171,7 +168,7 @@ def arm(args: argparse.Namespace, extra: list[Callback], callbacks: list[Callbac
     elif args.fault == "hang-collective" and attempt == 0:
         arm_collective_hang(args)
     elif args.fault == "sigkill-peer-send" and attempt == 0:
-        arm_peer_send_kill(args, callbacks)
+        arm_peer_send_kill(args)
 
 
 def _restored(trainer: Trainer) -> int | None:
