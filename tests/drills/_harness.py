@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tests._ranks import free_port
 from tests.drills._user_code import CHECKPOINTS, FAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,12 +106,6 @@ class DrillResult:
     def log(self) -> str:
         return "\n".join(f"---- launch {i} (rc={p.returncode})\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}"
                          for i, p in enumerate(self.launches))  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch_command(drill: Drill, script_args: list[str]) -> list[str]:

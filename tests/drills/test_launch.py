@@ -25,7 +25,7 @@ import pytest
 
 from lightning_resilience.exit_codes import ExitCode
 from lightning_resilience.launch.records import AttemptRecord, read_records
-from tests._ranks import _free_port
+from tests._ranks import free_port
 from tests.ft.test_ft_drills import _reports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def _launcher() -> list[str]:
 def _launch_cmd(run_dir: Path, *script_args: str, launcher_args: tuple[str, ...] = ()) -> list[str]:
     return [
         *_launcher(), "launch", "--nproc-per-node", str(WORLD_SIZE), "--max-restarts", "5",
-        "--master-port", str(_free_port()), "--run-dir", str(run_dir), *launcher_args,
+        "--master-port", str(free_port()), "--run-dir", str(run_dir), *launcher_args,
         str(SCRIPT), "--run-dir", str(run_dir), "--steps", str(STEPS), *script_args,
     ]  # fmt: skip
 
@@ -173,7 +173,7 @@ def test_sigterm_to_the_launcher_saves_exits_for_a_requeue_and_the_relaunch_cont
 def _torchrun_static(run_dir: Path, *script_args: str) -> subprocess.CompletedProcess[str]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD_SIZE), "--max-restarts", "2",
-        "--master-port", str(_free_port()), str(SCRIPT), "--run-dir", str(run_dir), "--steps", str(STEPS),
+        "--master-port", str(free_port()), str(SCRIPT), "--run-dir", str(run_dir), "--steps", str(STEPS),
         *script_args,
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=ATTEMPT_TIMEOUT_S * 2)

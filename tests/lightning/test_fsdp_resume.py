@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._ranks import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"127.0.0.1:{port}", str(ROOT / "tests/lightning/_fsdp_script.py"), *args,

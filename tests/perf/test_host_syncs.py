@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,17 +19,12 @@ import torch
 
 from lightning_resilience._staging import HostStage, to_host
 from tests._host_syncs import HostSyncCounter
+from tests._ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 50
 MAX_READS_PER_ORDINARY_STEP = 0.1
 MAX_READS_PER_DUE_STEP = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run(preset: str, out: Path, *overrides: str) -> list[dict[str, Any]]:
@@ -42,7 +36,7 @@ def _run(preset: str, out: Path, *overrides: str) -> list[dict[str, Any]]:
         "--nproc-per-node",
         "2",
         "--master-port",
-        str(_free_port()),
+        str(free_port()),
         "-m",
         "tests.perf._host_sync_script",
         preset,
