@@ -39,6 +39,7 @@ from lightning_resilience.lightning import (
     TieredCheckpoint,
 )
 from lightning_resilience.report import ResilienceReport
+from lightning_resilience.rollback import RollbackConfig
 from lightning_resilience.sdc import SilentDataCorruptionError
 
 # the former per-module constants: the values of ExitCode, kept importable
@@ -77,6 +78,7 @@ __all__ = [
     "ResilientDDPStrategy",
     "ResilientModelParallelStrategy",
     "ResumableDataLoader",
+    "RollbackConfig",
     "SDCConfig",
     "SDCVerification",
     "SilentDataCorruptionError",

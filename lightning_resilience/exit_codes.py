@@ -30,6 +30,10 @@ class ExitCode(IntEnum):
     """A preemption notice was handled and the state saved: requeue the job."""
     NO_PROGRESS = 88
     """The launcher gave up: restarts brought no newer committed step; do not requeue."""
+    DIVERGED = 89
+    """Training kept going wrong (non-finite or spiking values) after the in-process rollbacks allowed per window,
+    or was set to stop on the first: the last good state was saved. A restart would likely fail the same way: look
+    at the data (the quarantine file) and the hyperparameters before requeueing."""
 
 
 class DecidedExit(SystemExit):

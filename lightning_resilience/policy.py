@@ -21,6 +21,7 @@ from typing import Any
 
 from lightning_resilience._configurable import ConfigError
 from lightning_resilience.exit_codes import ExitCode
+from lightning_resilience.rollback.config import RollbackConfig
 
 __all__ = [
     "ACTIONS",
@@ -34,14 +35,25 @@ __all__ = [
     "Verdict",
 ]
 
-ACTIONS = ("log", "alert", "exclude", "checkpoint_and_stop", "rollback", "emergency_save_and_exit", "dump_and_exit")
+ACTIONS = (
+    "log",
+    "alert",
+    "exclude",
+    "rollback_in_process",
+    "checkpoint_and_stop",
+    "rollback",
+    "emergency_save_and_exit",
+    "dump_and_exit",
+)
 """Every action, least to most severe: when several verdicts arrive together, the most severe one is taken."""
 
 ALLOWED = {
-    "sdc_mismatch": ("log", "alert", "checkpoint_and_stop", "rollback"),
+    "sdc_mismatch": ("log", "alert", "rollback_in_process", "checkpoint_and_stop", "rollback"),
     "straggler": ("log", "alert", "checkpoint_and_stop"),
     "preemption": ("log", "emergency_save_and_exit"),
     "hang": ("log", "dump_and_exit"),
+    "nonfinite": ("log", "alert", "rollback_in_process", "checkpoint_and_stop", "rollback"),
+    "spike": ("log", "alert", "rollback_in_process"),
 }
 """The actions that make sense for each event (a hang cannot be rolled back: the stuck rank cannot take part)."""
 
@@ -63,6 +75,17 @@ class PolicyConfig:
     'log' (ignore it and let the scheduler kill the job)."""
     hang: str = "dump_and_exit"
     """A hung rank: 'dump_and_exit' (stack dumps, exit code, the launcher restarts the group) or 'log' (dump only)."""
+    nonfinite: str = "rollback_in_process"
+    """A non-finite loss or gradient (SDC's guards, read late: the update is applied): 'rollback_in_process'
+    (restore the newest RAM snapshot before the bad step in the running process, skip its batch, go on; see
+    ``rollback``), 'rollback' (stop, restart from the newest verified checkpoint), 'checkpoint_and_stop', 'alert' or
+    'log'."""
+    spike: str = "log"
+    """A loss or gradient-norm spike against the guards' robust baseline: 'rollback_in_process', 'alert' or
+    'log'."""
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
+    """How an in-process rollback goes: steps back, skipping the batch, learning-rate cool-down, the cap per window
+    after which the job stops."""
     exit_after_fit: bool = True
     """When the job was stopped (or its state found corrupt), end the process with the decided exit code at the
     end of ``fit`` (``DecidedExit``, a ``SystemExit``, raised after every callback's teardown), so a launcher sees
@@ -96,6 +119,8 @@ class Event(str, Enum):
     STRAGGLER = "straggler"
     PREEMPTION = "preemption"
     HANG = "hang"
+    NONFINITE = "nonfinite"
+    SPIKE = "spike"
 
     @property
     def exit_code(self) -> ExitCode:
@@ -108,6 +133,8 @@ _EXIT_CODES = {
     Event.STRAGGLER: ExitCode.STRAGGLER,
     Event.PREEMPTION: ExitCode.PREEMPTED,
     Event.HANG: ExitCode.HANG,
+    Event.NONFINITE: ExitCode.SDC,
+    Event.SPIKE: ExitCode.DIVERGED,
 }
 _EVENTS = list(Event)
 
@@ -118,6 +145,7 @@ class Action(str, Enum):
     LOG = "log"
     ALERT = "alert"
     EXCLUDE = "exclude"
+    ROLLBACK_IN_PROCESS = "rollback_in_process"
     CHECKPOINT_AND_STOP = "checkpoint_and_stop"
     ROLLBACK = "rollback"
     EMERGENCY_SAVE_AND_EXIT = "emergency_save_and_exit"
@@ -145,6 +173,9 @@ class Verdict:
     """The detector that posted it ('straggler', 'sdc', 'fault_tolerance')."""
     verified_step: int | None = None
     """For a corrupt state: the newest committed step verified clean; a restart restores at most this step."""
+    bad_step: int | None = None
+    """The first step whose update is suspect (its batch is the offender): the state ``bad_step`` is the newest one
+    an in-process rollback may restore. None: not known (the detection step is used)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -154,6 +185,7 @@ class Verdict:
             "detail": self.detail,
             "source": self.source,
             "verified_step": self.verified_step,
+            "bad_step": self.bad_step,
         }
 
 
@@ -169,11 +201,15 @@ class Decision:
     action: Action
     event: Event
     verdicts: list[Verdict] = field(default_factory=list)
+    code: ExitCode | None = None
+    """The exit code when it is not the event's (an escalation: in-process rollbacks past their cap)."""
 
     @property
     def exit_code(self) -> ExitCode:
         """The process's exit code after this decision: the event's code when the job stops, else OK."""
-        return self.event.exit_code if self.action.stops else ExitCode.OK
+        if not self.action.stops:
+            return ExitCode.OK
+        return self.code if self.code is not None else self.event.exit_code
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -33,7 +33,7 @@ from torch.utils.data import BatchSampler, Sampler
 
 from lightning_resilience.checkpoint.rng import capture_rng_states, restore_rng_states
 
-__all__ = ["EpochStart", "ResumableBatchSampler", "SeededIndices", "batch_seed", "seed_worker"]
+__all__ = ["EpochStart", "ResumableBatchSampler", "SeededIndices", "batch_seed", "raw_position", "seed_worker"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -99,6 +99,16 @@ class EpochStart:
         )
 
 
+def raw_position(yielded: int, skip: Iterable[int]) -> int:
+    """The position in the sampler's full order of the batch handed out ``yielded``-th (0-based) when the positions
+    in ``skip`` are left out."""
+    raw = yielded
+    for k in sorted(set(skip)):
+        if k <= raw:
+            raw += 1
+    return raw
+
+
 def _consume(it: Iterator[Any], n: int) -> None:
     """Advance ``it`` by ``n`` items at C speed (the itertools recipe)."""
     if n > 0:
@@ -142,9 +152,15 @@ class ResumableBatchSampler(Sampler[Any]):
         self.salt = salt
         self.epoch: EpochStart | None = None
         self._resume: tuple[int, EpochStart] | None = None
+        self.skip: set[int] = set()
+        """Positions (in the full order) of the current epoch that are never handed out (quarantined batches)."""
+        self.skip_next: set[int] = set()
+        """The same for the epoch after it."""
+        self.recent: dict[int, Any] = {}
+        """Position -> indices of the last batches handed out in the current epoch (a few, for the quarantine)."""
 
     def __len__(self) -> int:
-        return len(self.inner)  # type: ignore[arg-type]
+        return len(self.inner) - len(self.skip)  # type: ignore[arg-type]
 
     def set_epoch(self, epoch: int) -> None:
         """Forwarded to the wrapped sampler when it is epoch-aware (Lightning calls it when batching is off)."""
@@ -153,7 +169,8 @@ class ResumableBatchSampler(Sampler[Any]):
             set_epoch(epoch)
 
     def resume_at(self, start: int, epoch: EpochStart) -> None:
-        """Make the next iteration continue ``epoch`` at batch ``start`` (consumed by the first iteration only)."""
+        """Make the next iteration continue ``epoch`` after ``start`` handed-out batches (positions in ``skip`` are
+        not counted); consumed by the first iteration only."""
         self._resume = (start, epoch)
 
     @property
@@ -162,17 +179,30 @@ class ResumableBatchSampler(Sampler[Any]):
         return None if self._resume is None else self._resume[0]
 
     def __iter__(self) -> Iterator[Any]:
+        if self._resume is None:  # a new epoch: its quarantined positions were queued as the next epoch's
+            self.skip, self.skip_next = self.skip_next, set()
+        self.recent = {}
+        return self._batches()
+
+    def _batches(self) -> Iterator[Any]:
         # a generator: nothing below runs before the loader asks for its first batch of indices
         resume, self._resume = self._resume, None
         if resume is None:
-            start, self.epoch = 0, self._capture()
+            handed, self.epoch = 0, self._capture()
             it = iter(self.inner)
         else:
-            start, self.epoch = resume
-            it = self._replay(start, self.epoch)
+            handed, self.epoch = resume
+            it = self._replay(raw_position(handed, self.skip), self.epoch)
         epoch_seed = self.epoch.seed
-        for position, batch in enumerate(it, start):
-            yield SeededIndices(batch, batch_seed(epoch_seed, position)) if self.seeded else batch
+        for position, batch in enumerate(it, raw_position(handed, self.skip)):
+            if position in self.skip:
+                continue
+            self.recent[position] = batch
+            self.recent.pop(position - 16, None)
+            # seeded by the count handed out: without a quarantined batch, the batches after it draw what they would
+            # draw had the sampler never listed it
+            yield SeededIndices(batch, batch_seed(epoch_seed, handed)) if self.seeded else batch
+            handed += 1
 
     def _capture(self) -> EpochStart:
         rng = capture_rng_states()

@@ -106,6 +106,8 @@ class LoaderCursor:
             "position": int(consumed),
             "length": int(len(self.loader) if epoch_batches is None else epoch_batches),
             "replicas": self.replicas,
+            "skip": sorted(self.sampler.skip),
+            "skip_next": sorted(self.sampler.skip_next),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> bool:
@@ -124,8 +126,12 @@ class LoaderCursor:
             )
             position, length = remapped, length * saved // self.replicas
         epoch = state.get("epoch")
-        if epoch is None or not 0 <= position < min(length, len(self.loader)):
-            return False  # nothing open: the next iteration is a fresh epoch
+        skip, skip_next = {int(k) for k in state.get("skip", ())}, {int(k) for k in state.get("skip_next", ())}
+        self.sampler.skip = set()
+        if epoch is None or not 0 <= position < min(length, len(self.loader)) - len(skip):
+            self.sampler.skip_next = skip_next  # nothing open: the next iteration is a fresh epoch
+            return False
+        self.sampler.skip, self.sampler.skip_next = skip, skip_next
         self.sampler.resume_at(position, EpochStart.from_state(epoch))
         return True
 

@@ -115,6 +115,10 @@ class CheckpointManager:
             out.update(provider(step))
         return out
 
+    def memory_steps(self) -> list[int]:
+        """Steps this rank holds in its RAM tiers (local view)."""
+        return sorted({s for t in self._memory for s in t.list_steps()})
+
     def steps(self) -> dict[str, list[int]]:
         """Committed steps of this rank, per tier (local view; restores agree across ranks)."""
         return {t.name: t.list_steps() for t in self.tiers}
@@ -335,6 +339,7 @@ class CheckpointManager:
         *,
         max_step: int | None = None,
         rebuild_dtensor: DTensorRebuilder | None = None,
+        memory_only: bool = False,
     ) -> Restored | None:
         """Collectively pick and load the newest step that every rank can load (or exactly ``step``).
 
@@ -342,7 +347,8 @@ class CheckpointManager:
         newest down, every rank loads and validates its shard from its fastest tier that has one; the step is
         taken only if all ranks succeeded. A corrupt or partial shard is skipped with a warning naming it.
         ``max_step`` bounds the choice (a rollback to a step known to be good). ``rebuild_dtensor`` turns saved
-        local shards back into DTensors (sharded strategies only).
+        local shards back into DTensors (sharded strategies only). ``memory_only``: only the RAM tiers are read, and
+        the resume figures are left alone (an in-process rollback).
 
         Raises:
             NoValidCheckpointError: ``step`` was requested but is not loadable everywhere, or nothing valid was
@@ -353,8 +359,9 @@ class CheckpointManager:
         if not self._worker.wait_idle(self.config.drain_timeout):
             raise CheckpointWorkerError(f"persist still running after {self.config.drain_timeout}; cannot restore")
         self.collect()
-        restore = CollectiveRestore(self.tiers, self._group, self.identity, self.config, self.stats, self._clock)
-        return restore.run(step, max_step, rebuild_dtensor)
+        tiers: list[Tier] = list(self._memory) if memory_only else self.tiers
+        restore = CollectiveRestore(tiers, self._group, self.identity, self.config, self.stats, self._clock)
+        return restore.run(step, max_step, rebuild_dtensor, in_process=memory_only)
 
     # --------------------------------------------------------------- teardown
     def close(self, timeout: timedelta | None = None) -> None:

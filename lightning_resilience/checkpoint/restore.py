@@ -56,9 +56,19 @@ class CollectiveRestore:
         self.config = config
         self.stats = stats
         self.clock = clock
+        self._in_process = False
 
-    def run(self, step: int | None, max_step: int | None, rebuild_dtensor: DTensorRebuilder | None) -> Restored | None:
+    def run(
+        self,
+        step: int | None,
+        max_step: int | None,
+        rebuild_dtensor: DTensorRebuilder | None,
+        *,
+        in_process: bool = False,
+    ) -> Restored | None:
+        """``in_process``: an in-process rollback (no resharding; the resume figures in ``stats`` are left alone)."""
         start = self.clock()
+        self._in_process = in_process
         self._prepare()
         where: dict[int, list[Tier]] = {}
         for tier in self.tiers:
@@ -71,7 +81,7 @@ class CollectiveRestore:
             common &= {step}
         if max_step is not None:
             common = {s for s in common if s <= max_step}
-        if step is None and common and self.config.allow_reshard:
+        if step is None and common and self.config.allow_reshard and not in_process:
             # a newer step written by another world size (the job shrank or grew since) beats an older native one
             resharded = self._resharded(max_step, rebuild_dtensor, start, newer_than=max(common))
             if resharded is not None:
@@ -80,7 +90,7 @@ class CollectiveRestore:
             restored = self._try(candidate, where[candidate], rebuild_dtensor, start)
             if restored is not None:
                 return restored
-        if step is None and self.config.allow_reshard:  # nothing at this world size: a step written by another?
+        if step is None and self.config.allow_reshard and not in_process:  # a step written by another world size?
             resharded = self._resharded(max_step, rebuild_dtensor, start)
             if resharded is not None:
                 return resharded
@@ -123,7 +133,12 @@ class CollectiveRestore:
             snap = cast(RamTier, source).take(candidate)  # RAM hands its buffers over instead of copying them
         state = unflatten_state(snap.skeleton, snap.tensors, rebuild_dtensor=rebuild_dtensor)
         elapsed = self.clock() - start
-        self.stats.restored_step, self.stats.restored_from, self.stats.restore_seconds = candidate, source.name, elapsed
+        if not self._in_process:  # the figures of a resume; an in-process rollback reports its own
+            self.stats.restored_step, self.stats.restored_from, self.stats.restore_seconds = (
+                candidate,
+                source.name,
+                elapsed,
+            )
         log.info("restored step %d from tier %r in %.3fs", candidate, source.name, elapsed)
         return Restored(candidate, state, source.name, elapsed, snap.meta)
 

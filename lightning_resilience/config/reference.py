@@ -32,6 +32,7 @@ _GROUPS = {
     "sdc": "resilience.sdc.config",
     "ft": "resilience.ft.config",
     "policy": "resilience.policy.config",
+    "rollback": "resilience.policy.config.rollback",
 }
 
 

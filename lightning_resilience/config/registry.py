@@ -35,6 +35,7 @@ from lightning_resilience.checkpoint.remote import RemoteTier
 from lightning_resilience.checkpoint.replication import PeerTier
 from lightning_resilience.ft.config import FaultToleranceConfig
 from lightning_resilience.policy import PolicyConfig
+from lightning_resilience.rollback.config import RollbackConfig
 from lightning_resilience.sdc.config import SDCConfig
 from lightning_resilience.straggler.config import StragglerConfig
 
@@ -66,6 +67,7 @@ def schemas() -> dict[str, type]:
         "straggler": StragglerConfig,
         "sdc": SDCConfig,
         "policy": PolicyConfig,
+        "rollback": RollbackConfig,
     }
 
 

@@ -71,6 +71,8 @@ class RestartPolicy:
         if culprit_exit_code in _NEEDS_SCHEDULER:
             verdict = ExitCode(culprit_exit_code)
             return Decision("stop", int(verdict), f"{verdict.name}: restart elsewhere (not on the same node)")
+        if culprit_exit_code == ExitCode.DIVERGED:
+            return Decision("stop", int(ExitCode.DIVERGED), "DIVERGED: in-process rollbacks kept failing: no restart")
         if self.max_no_progress_restarts and no_progress_count >= self.max_no_progress_restarts:
             return Decision(
                 "stop",

@@ -18,11 +18,13 @@ from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_resilience.checkpoint.data_position import raw_position
 from lightning_resilience.checkpoint.dataloader import LoaderCursor, is_map_style
 from lightning_resilience.lightning._trainer_state import (
     consumed_batches,
     epoch_batches,
     restart_train_iterator,
+    rewind_fetcher,
     train_loaders,
 )
 
@@ -92,6 +94,22 @@ class TrainDataPosition:
         if all(cursor is not None or isinstance(dl, _Stateful) for cursor, dl in zip(self._cursors, loaders)):
             warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)
 
+    def rewind(self, trainer: Trainer, skip_ahead: int | None) -> list[Any]:
+        """In-process rollback: continue from the loaded position (:meth:`load_state_dict`) right now, leaving out the
+        batch handed out ``skip_ahead`` batches after it (None: leave nothing out). Returns, per loader, the indices
+        of that batch (None where not known: a loader left alone, or a batch of another epoch than the running one)."""
+        state, self._pending = self._pending, None
+        skipped: list[Any] = [None] * len(self._cursors)
+        if state is not None and skip_ahead is not None and len(state) == len(self._cursors):
+            state = [dict(s) if s is not None else None for s in state]
+            for i, (cursor, saved) in enumerate(zip(self._cursors, state)):
+                if cursor is not None and saved is not None:
+                    skipped[i] = _quarantine(cursor, saved, skip_ahead)
+        self.load_state_dict(state)
+        self.attach(trainer)
+        rewind_fetcher(trainer, consumed_batches(trainer))
+        return skipped
+
     def detach(self) -> None:
         """Give every loader its own sampler back (end of fit)."""
         for cursor in self._cursors:
@@ -118,6 +136,26 @@ class TrainDataPosition:
             "state_dict/load_state_dict."
         )
         return None
+
+
+def _quarantine(cursor: LoaderCursor, saved: dict[str, Any], ahead: int) -> Any:
+    """Add the batch ``ahead`` batches after the saved position to the saved skip lists; its indices if known."""
+    skip, skip_next = set(saved.get("skip", ())), set(saved.get("skip_next", ()))
+    length = int(saved.get("length") or len(cursor.loader))
+    open_epoch = saved.get("epoch") is not None and int(saved["position"]) < length - len(skip)
+    handed = (int(saved["position"]) if open_epoch else 0) + ahead
+    if open_epoch and handed < length - len(skip):
+        raw, current = raw_position(handed, skip), True
+        skip.add(raw)
+    else:
+        handed -= length - len(skip) if open_epoch else 0
+        raw, current = raw_position(handed, skip_next), False
+        skip_next.add(raw)
+    saved.update(skip=sorted(skip), skip_next=sorted(skip_next))
+    running = cursor.sampler.epoch
+    same_epoch = current and open_epoch and running is not None and str(running.seed) == str(saved["epoch"]["seed"])
+    batch = cursor.sampler.recent.get(raw) if same_epoch else None
+    return None if batch is None else [int(i) for i in batch] if isinstance(batch, list) else batch
 
 
 def _iter_keeping_rng(loader: Any) -> Any:

@@ -11,8 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning
-from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.data import _set_sampler_epoch, sized_len
 from lightning.pytorch import Trainer
+from lightning.pytorch.loops.loop import _Loop
 
 # Lightning 2.5 learned to restart from a checkpoint taken in ``on_train_batch_end``; earlier versions (NeMo pins 2.4)
 # restart such a batch as if it had not been consumed
@@ -26,6 +27,7 @@ __all__ = [
     "pending_checkpoint_step",
     "restart_train_iterator",
     "restore_trainer_state",
+    "rewind_fetcher",
     "train_loaders",
 ]
 
@@ -35,14 +37,20 @@ def dump_trainer_state(trainer: Trainer) -> dict[str, Any]:
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
 
-def restore_trainer_state(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+def restore_trainer_state(trainer: Trainer, checkpoint: dict[str, Any], *, in_flight: bool = False) -> None:
     """Apply a checkpoint dict during ``fit`` (after the strategy set up model and optimizers, before training).
 
     Same order as ``fit(ckpt_path=...)``: datamodule, model (with ``on_load_checkpoint``), callbacks, then
     precision plugin, loops, optimizers and schedulers.
+
+    ``in_flight``: applied from ``on_train_batch_end`` while the loops run (an in-process rollback to a snapshot
+    also taken in ``on_train_batch_end``): the loops go on as they do after that hook, so the restored progress is
+    taken as it is and the loops are not marked as restarting.
     """
     connector = trainer._checkpoint_connector
-    connector._loaded_checkpoint = _batch_completed(checkpoint) if _LIGHTNING_BEFORE_2_5 else checkpoint
+    bump = _LIGHTNING_BEFORE_2_5 and not in_flight
+    connector._loaded_checkpoint = _batch_completed(checkpoint) if bump else checkpoint
+    flags = _loop_flags(trainer.fit_loop) if in_flight else []
     try:
         connector.restore_datamodule()
         connector.restore_model()
@@ -50,6 +58,31 @@ def restore_trainer_state(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
         connector.restore_training_state()
     finally:
         connector._loaded_checkpoint = {}
+        for loop, saved in flags:
+            loop.__dict__.update(saved)
+
+
+_LOOP_FLAGS = ("_restarting", "_loaded_from_state_dict", "_resuming_from_checkpoint")
+
+
+def _loop_flags(loop: Any) -> list[tuple[Any, dict[str, Any]]]:
+    """Each loop under ``loop`` with its restart flags (what ``load_state_dict`` sets)."""
+    out = [(loop, {k: loop.__dict__[k] for k in _LOOP_FLAGS if k in loop.__dict__})]
+    for child in list(loop.__dict__.values()):
+        if isinstance(child, _Loop):
+            out.extend(_loop_flags(child))
+    return out
+
+
+def rewind_fetcher(trainer: Trainer, consumed: int) -> None:
+    """After an in-process rollback restarted the train iterator: the fetcher has handed out ``consumed`` batches
+    of an epoch whose length (the loaders' lengths, quarantined batches left out) may have changed."""
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is None or fetcher._combined_loader is None:
+        return
+    fetcher.fetched = consumed
+    fetcher.length = sized_len(fetcher.combined_loader)
+    fetcher.done = fetcher.length is not None and consumed >= fetcher.length and not getattr(fetcher, "batches", None)
 
 
 def pending_checkpoint_step(trainer: Trainer) -> int | None:

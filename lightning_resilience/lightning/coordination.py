@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_resilience.collective import SideGroup
 from lightning_resilience.exit_codes import DecidedExit, ExitCode
 from lightning_resilience.lightning._metrics import log_host_metrics
+from lightning_resilience.lightning.rollback import InProcessRollback
 from lightning_resilience.policy import Action, Decision, Event, PolicyBus, PolicyConfig, Verdict
 
 if TYPE_CHECKING:
@@ -93,6 +94,10 @@ class Suite:
         self.corrupt: Verdict | None = None
         """The first verdict that found the training state corrupt in this fit, or None."""
         self.emergency_saved: int | None = None
+        self.rollback_pending = False
+        """A verdict asked for an in-process rollback at this step (SDC's verdicts are agreed, so every rank knows):
+        the snapshot of this step is not taken, it would hold the suspect state."""
+        self._rollback: InProcessRollback | None = None
         self._fit_over = False
 
     @classmethod
@@ -113,6 +118,9 @@ class Suite:
         if self._fit_over:  # the Trainer fits again: a new attempt's decisions
             self._fit_over = False
             self._bus, self.decision, self.corrupt, self.emergency_saved = None, None, None, None
+            if self._rollback is not None:
+                self._rollback.close()
+            self._rollback, self.rollback_pending = None, False
 
     def attach_checkpoint(self, member: TieredCheckpoint) -> None:
         self._claim("checkpoint", self.checkpoint, member)
@@ -191,10 +199,24 @@ class Suite:
         ``at_least`` raises the mapped action (e.g. SDC's ``stop_on_suspect``: never less than a rollback).
         """
         action = self.bus(trainer).post(verdict, at_least=at_least)
-        if verdict.event is Event.SDC_MISMATCH and self.corrupt is None:
+        if action is Action.ROLLBACK_IN_PROCESS:
+            self.rollback_pending = True
+        elif verdict.event in (Event.SDC_MISMATCH, Event.NONFINITE):
+            self.mark_corrupt(trainer, verdict)
+        return action
+
+    def mark_corrupt(self, trainer: Trainer, verdict: Verdict) -> None:
+        """The training state is corrupt (the first such verdict of the fit holds): exit code SDC at the end of
+        ``fit``, and a restore bound for the next attempt."""
+        if self.corrupt is None:
             self.corrupt = verdict
             self._write_restore_bound(trainer, verdict)
-        return action
+
+    def in_process(self) -> InProcessRollback:
+        """The in-process rollback of this fit (made at its first use, from the policy's ``rollback`` config)."""
+        if self._rollback is None:
+            self._rollback = InProcessRollback(self.policy_config.rollback)
+        return self._rollback
 
     # ------------------------------------------------------------------ step end
     def _ordered(self, trainer: Trainer) -> list[Callback]:
@@ -209,10 +231,17 @@ class Suite:
         if not order or member is not order[-1]:
             return
         decision = self.bus(trainer).decide(trainer.global_step)
+        self.rollback_pending = False
         if decision is not None:
             self._act(trainer, pl_module, decision)
 
     def _act(self, trainer: Trainer, pl_module: LightningModule, decision: Decision) -> None:
+        if decision.action is Action.ROLLBACK_IN_PROCESS and self.decision is None:
+            escalated = self.in_process().run(self, trainer, decision)
+            log_host_metrics(trainer, {"resilience/policy/action_severity": decision.action.severity})
+            if escalated is None:
+                return
+            decision = escalated
         details = "; ".join(v.detail for v in decision.verdicts) or "(verdict posted on another rank)"
         message = (
             f"resilience policy at step {decision.step}: {decision.action.value} ({decision.event.value}: {details})"
@@ -326,6 +355,8 @@ class Suite:
             verified_step=self.corrupt.verified_step if self.corrupt else None,
             emergency_saved=self.emergency_saved,
         )
+        if self._rollback is not None:
+            out["rollback"] = self._rollback.report()
         return out
 
     def summary(self) -> str:
@@ -333,6 +364,12 @@ class Suite:
         lines = [f"resilience policy: {self.policy_config.mapping()}; {len(decisions)} decision(s)"]
         for d in decisions:
             lines.append(f"  step {d.step}: {d.action.value} <- " + "; ".join(v.detail for v in d.verdicts))
+        for r in self._rollback.governor.records if self._rollback is not None else []:
+            lines.append(
+                f"  rollback at step {r.detected_at} ({r.cause}): bad step {r.bad_step}, restored step {r.target} "
+                f"in {r.seconds * 1e3:.1f} ms, {r.steps_lost} step(s) lost, skipped {r.skipped or 'nothing'}"
+                + (" -> escalated" if r.escalated else "")
+            )
         if self.exit_code is not ExitCode.OK:
             lines.append(f"  exit code {int(self.exit_code)} ({self.exit_code.name})")
         return "\n".join(lines)

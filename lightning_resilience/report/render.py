@@ -215,11 +215,32 @@ def _detection_rows(sections: Mapping[str, Mapping[str, Any]]) -> list[tuple[str
                 value = section.get(key)
                 if isinstance(value, list):
                     rows.append((f"{name} {key}", str(len(value))))
+        rows += _rollback_rows(name, section.get("rollback"))
         detections = section.get("detections")
         if isinstance(detections, Mapping):
             total = sum(v for v in detections.values() if isinstance(v, int | float))
             detail = ", ".join(f"{k} {v}" for k, v in detections.items())
             rows.append((f"{name} detections", f"{total:g}" + (f" ({detail})" if detail else "")))
+    return rows
+
+
+def _rollback_rows(name: str, rollback: Any) -> list[tuple[str, str]]:
+    """Each in-process rollback (step, cause, steps lost, time, samples skipped) and an escalation, if any."""
+    if not isinstance(rollback, Mapping):
+        return []
+    done = [r for r in rollback.get("rollbacks") or [] if isinstance(r, Mapping)]
+    escalated = rollback.get("escalated")
+    rows = []
+    for r in [*done, *([escalated] if isinstance(escalated, Mapping) else [])]:
+        skipped = sum(len(v) for v in (r.get("skipped") or {}).values() if isinstance(v, list))
+        rows.append(
+            (
+                f"{name} rollback",
+                f"step {r.get('detected_at')} ({r.get('cause')}, bad step {r.get('bad_step')}): restored step "
+                f"{r.get('target')} in {_ms(r.get('seconds'))}, {r.get('steps_lost')} step(s) lost, "
+                f"{skipped} sample(s) quarantined" + (": escalated, job stopped" if r.get("escalated") else ""),
+            )
+        )
     return rows
 
 

@@ -80,6 +80,8 @@ class StepOutcome:
     """At least one check (replay or reconciliation) ran."""
     needs_rollback: bool = False
     suspects: list[int] = field(default_factory=list)
+    bad_step: int | None = None
+    """For a late non-finite guard: the earliest step whose update was non-finite (agreed by every rank)."""
 
 
 class SDCMonitor:
@@ -136,6 +138,11 @@ class SDCMonitor:
         """Guard reports (this rank's) that triggered this step's replay round."""
         self._guard_triggered = False
         self._late_nonfinite = False
+        self.late_nonfinite_step: int | None = None
+        """The earliest step (agreed by every rank) whose loss or gradients a late guard found non-finite this step:
+        the state that step started from is the newest one not touched by it."""
+        self.late_spike_step: int | None = None
+        """The same for a loss or gradient-norm spike."""
         self._force_reconcile = False
         self._step_checked = False
         self._step_ok = True
@@ -192,17 +199,37 @@ class SDCMonitor:
         self._step_checked, self._step_ok = False, True
         self._fired, self._late_nonfinite = [], False
         fired = False
+        self.late_nonfinite_step = self.late_spike_step = None
         if self.config.guards and self.reader.lag > 0:
             fired, jumped, nonfinite = self._check_arrived()
-            fired, jumped, nonfinite = self._any_of(fired, jumped, nonfinite)
+            fired, jumped, nonfinite, nonfinite_at, spike_at = self._agree_late(fired, jumped, nonfinite)
             self._force_reconcile = self._force_reconcile or jumped
             self._late_nonfinite = nonfinite
+            self.late_nonfinite_step, self.late_spike_step = nonfinite_at, spike_at
         self._guard_triggered = fired and not self.dirty
         if self._hook is not None:
             self._hook.reset()
             # digest buckets only when this step's gradients will be compared (with no lag a guard may ask at once)
             replay = self._guard_triggered or self._due(self.config.replay_every_n_steps)
             self._hook.enabled = replay or (self.config.guards and self.reader.lag == 0)
+
+    def _agree_late(
+        self, fired: bool, jumped: bool, nonfinite: bool
+    ) -> tuple[bool, bool, bool, int | None, int | None]:
+        """One all-reduce (MAX) of the late guards' flags and, negated, of the earliest step whose non-finite values
+        or spike any rank saw: every rank learns the same bad steps."""
+        nonfinite_at = [r.step for r in self._fired if any(f.startswith("nonfinite") for f in r.fired)]
+        spike_at = [r.step for r in self._fired if any(f.endswith("_spike") for f in r.fired)]
+        none = -(2**62)
+        values = [int(fired), int(jumped), int(nonfinite)]
+        values += [-min(nonfinite_at, default=-none), -min(spike_at, default=-none)]
+        if self.world_size > 1:
+            t = torch.tensor(values, dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+            values = [int(v) for v in t.tolist()]
+        first_nonfinite = -values[3] if values[3] != none else None
+        first_spike = -values[4] if values[4] != none else None
+        return bool(values[0]), bool(values[1]), bool(values[2]), first_nonfinite, first_spike
 
     def _check_arrived(self) -> tuple[bool, bool, bool]:
         """Check the staged guard values that reached the host: (a loss/gradient guard fired, a parameter guard
@@ -277,6 +304,7 @@ class SDCMonitor:
             )
             self._record(out, SDCEvent(out.step, "guard:nonfinite", Diagnosis.ANOMALY, [], "rollback", detail))
             self._fail(out, [])
+            out.bad_step = self.late_nonfinite_step
         return out
 
     def after_optimizer_step(self) -> StepOutcome:
@@ -379,6 +407,14 @@ class SDCMonitor:
         self.events, self.suspects, self.dirty = [], {}, False
         self.verified_steps = {step}
         self._force_reconcile = False
+        self.reader.clear()
+
+    def rolled_back(self, step: int) -> None:
+        """The state of ``step`` was restored in the running process (every rank alike): forget the later verdicts
+        and verified steps and the guard values still on their way; events and baselines are kept."""
+        self.dirty, self._force_reconcile, self._late_nonfinite = False, False, False
+        self.late_nonfinite_step = self.late_spike_step = None
+        self.verified_steps = {s for s in self.verified_steps if s <= step} | {step}
         self.reader.clear()
 
     def state_dict(self) -> dict[str, Any]:

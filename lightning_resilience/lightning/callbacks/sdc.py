@@ -142,6 +142,7 @@ class SDCVerification(Callback):
         assert self.monitor is not None
         self._batch_idx = batch_idx
         self.monitor.begin_step(trainer.global_step, batch)
+        self._post_spike(trainer)
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
@@ -199,6 +200,9 @@ class SDCVerification(Callback):
         assert self.monitor is not None and self._suite is not None
         if not outcome.needs_rollback:
             return
+        if outcome.bad_step is not None and all(e.verdict is Diagnosis.ANOMALY for e in outcome.events):
+            self._post_nonfinite(trainer, outcome)
+            return
         # the verdict is the same on every rank (computed from gathered data): so is everything below
         self.rollback_step = self.monitor.rollback_target(self._committed_steps())
         diagnoses = {e.verdict for e in outcome.events}
@@ -219,6 +223,31 @@ class SDCVerification(Callback):
         )
         if action.stops:
             self.stopped = True  # no more checks: the suite stops the fit at this step's end
+
+    def _post_nonfinite(self, trainer: Trainer, outcome: StepOutcome) -> None:
+        """A non-finite loss or gradient seen late (the same verdict on every rank): the policy's ``nonfinite``."""
+        assert self.monitor is not None and self._suite is not None and outcome.bad_step is not None
+        in_process = self._suite.action_for(Event.NONFINITE) is Action.ROLLBACK_IN_PROCESS  # alike on every rank
+        # a restart needs the newest verified committed step (collective, waits for a persist in flight)
+        self.rollback_step = None if in_process else self.monitor.rollback_target(self._committed_steps())
+        detail = outcome.events[-1].detail if outcome.events else "non-finite loss or gradients"
+        verdict = Verdict(Event.NONFINITE, outcome.step, trainer.global_rank, detail, "sdc",
+                          verified_step=self.rollback_step, bad_step=outcome.bad_step)  # fmt: skip
+        action = self._suite.post(trainer, verdict)
+        if action is not Action.ROLLBACK_IN_PROCESS:
+            self._write_verdict(trainer, outcome, stop=action.stops)
+        log.warning("non-finite values at step %d -> %s", outcome.bad_step, action.value)
+        self.stopped = action.stops
+
+    def _post_spike(self, trainer: Trainer) -> None:
+        """A late loss or gradient-norm spike (agreed by every rank): the policy's ``spike``."""
+        assert self.monitor is not None and self._suite is not None
+        step = self.monitor.late_spike_step
+        if step is None or self.stopped or self._suite.action_for(Event.SPIKE) is Action.LOG:
+            return
+        detail = f"loss or gradient-norm spike at step {step}"
+        self._suite.post(trainer, Verdict(Event.SPIKE, trainer.global_step, trainer.global_rank, detail, "sdc",
+                                          bad_step=step))  # fmt: skip
 
     def _committed_steps(self) -> list[int]:
         checkpoint = self._suite.checkpoint if self._suite is not None else None

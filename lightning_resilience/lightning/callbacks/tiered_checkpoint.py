@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
 
 from lightning_resilience.checkpoint.config import CheckpointConfig
-from lightning_resilience.checkpoint.manager import CheckpointManager, CheckpointStats
+from lightning_resilience.checkpoint.manager import CheckpointManager, CheckpointStats, Restored
 from lightning_resilience.checkpoint.rng import capture_rng_states, restore_rng_states
 from lightning_resilience.checkpoint.tier import Tier
 from lightning_resilience.checkpoint.tree import storage_ptr
@@ -83,6 +83,8 @@ class TieredCheckpoint(Checkpoint):
         self._blocking_logged = 0.0
         self._captures_logged = 0
         self.restores = 0
+        self.rollbacks = 0
+        """In-process rollbacks applied in this process."""
         self.discarded_suspect: list[int] = []
         """Steps newer than a restore bound (a corrupt state found by SDC), deleted on this rank at restore."""
         self._suite: Suite | None = None
@@ -213,7 +215,21 @@ class TieredCheckpoint(Checkpoint):
 
     @property
     def _known_corrupt(self) -> bool:
-        return self._suite is not None and self._suite.corrupt is not None
+        # a corrupt state, or one an in-process rollback is about to undo: not worth a snapshot
+        return self._suite is not None and (self._suite.corrupt is not None or self._suite.rollback_pending)
+
+    def rollback_to(self, trainer: Trainer, restored: Restored, skip_ahead: int | None) -> list[Any]:
+        """Apply ``restored`` (a RAM snapshot) in the running process from ``on_train_batch_end``: every part of the
+        Trainer's state, the RNG streams and the train loaders' position; the batch handed out ``skip_ahead`` batches
+        after the restored position is left out of its epoch (None: nothing). Returns, per train loader, the
+        indices of the batch left out (None where unknown)."""
+        restore_trainer_state(trainer, restored.state, in_flight=True)
+        if self._pending_rng is not None:
+            restore_rng_states(self._pending_rng)
+            self._pending_rng = None
+        self._last_step = restored.step
+        self.rollbacks += 1
+        return self._data.rewind(trainer, skip_ahead)
 
     def persist_now(self, trainer: Trainer, meta: dict[str, Any] | None = None) -> None:
         """Collective: persist the current step to every persistent tier and wait (a planned stop)."""

@@ -1,0 +1,147 @@
+"""In-process rollback for one Trainer: the policy's ``rollback_in_process`` decision carried out in the running
+process, on every rank alike.
+
+At the step boundary where the ranks decided, every rank (1) agrees on the first bad step (the smallest any rank's
+verdict names), (2) agrees on the newest snapshot every rank holds in RAM at or before it, (3) restores it in place
+through :class:`~lightning_resilience.lightning.callbacks.TieredCheckpoint` — model, optimizers, schedulers,
+precision scaler, loops, callbacks, RNG streams, the train loaders' position — (4) leaves the offending batch out
+of its epoch on every rank and writes its sample indices to the quarantine file, and (5) goes on training. Nothing is
+read from disk, no process or process group is created. Past ``policy.rollback.max_rollbacks`` per window the job
+escalates: the good state is restored, persisted, and the job stops with ``ExitCode.DIVERGED``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch import Trainer
+
+from lightning_resilience.exit_codes import ExitCode
+from lightning_resilience.lightning._metrics import log_host_metrics
+from lightning_resilience.policy import Action, Decision, Event, Verdict
+from lightning_resilience.rollback.config import RollbackConfig
+from lightning_resilience.rollback.governor import LrCooldown, RollbackGovernor, RollbackPlan, RollbackRecord
+from lightning_resilience.rollback.quarantine import append_quarantine
+
+if TYPE_CHECKING:
+    from lightning_resilience.lightning.coordination import Suite
+
+__all__ = ["InProcessRollback"]
+
+log = logging.getLogger(__name__)
+
+_NONE = 2**62
+
+
+class InProcessRollback:
+    """Carries out in-process rollbacks for one Trainer's suite and keeps their record.
+
+    Args:
+        config: steps back, skipping, cool-down, the cap per window.
+    """
+
+    def __init__(self, config: RollbackConfig) -> None:
+        self.config = config
+        self.governor = RollbackGovernor(config)
+        self.cooldown = LrCooldown(config.lr_cooldown_factor)
+        self._cooldown_installed = False
+
+    def run(self, suite: Suite, trainer: Trainer, decision: Decision) -> Decision | None:
+        """Collective (every rank calls it at the same step boundary). Returns the stopping decision it escalates to,
+        or None when training goes on from the restored step."""
+        start = time.perf_counter()
+        group = suite.side_group()
+        mine = [v for v in decision.verdicts if suite.action_for(v.event) is Action.ROLLBACK_IN_PROCESS]
+        local = min((v.bad_step if v.bad_step is not None else v.step for v in mine), default=_NONE)
+        bad = group.reduce_min(local, op="rollback_bad_step", step=trainer.global_step)
+        bad = min(bad, trainer.global_step - 1)  # at the latest, the batch that just ran
+        checkpoint = suite.checkpoint
+        manager = checkpoint.manager if checkpoint is not None else None
+        held = manager.memory_steps() if manager is not None else []
+        gathered = group.all_gather_object(held, op="rollback_steps", step=trainer.global_step)
+        common = set.intersection(*(set(g) for g in gathered)) if gathered else set()
+        plan = self.governor.plan(bad, trainer.global_step, common)
+        if plan.target is None or checkpoint is None or manager is None:
+            return self._stop_unrestored(suite, trainer, decision, plan)
+        restored = manager.restore(plan.target, memory_only=True)  # collective; raises if not loadable everywhere
+        assert restored is not None
+        skip_ahead = bad - plan.target if self.config.skip_batch and not plan.escalate else None
+        skipped = checkpoint.rollback_to(trainer, restored, skip_ahead)
+        if suite.sdc is not None and suite.sdc.monitor is not None:
+            suite.sdc.monitor.rolled_back(plan.target)
+        indices = group.all_gather_object(skipped, op="rollback_quarantine", step=plan.target)
+        record = RollbackRecord(
+            cause=decision.event.value,
+            bad_step=bad,
+            detected_at=plan.detected_at,
+            target=plan.target,
+            steps_lost=plan.detected_at - plan.target,
+            seconds=time.perf_counter() - start,
+            skipped=_by_rank(indices) if skip_ahead is not None else {},
+            detail="; ".join(v.detail for v in mine) or "(verdict posted on another rank)",
+            escalated=plan.escalate,
+        )
+        self.governor.record(record)
+        self._write_record(suite, trainer, record)
+        log_host_metrics(trainer, {"resilience/rollback/count": len(self.governor.records),
+                                   "resilience/rollback/seconds": record.seconds})  # fmt: skip
+        if plan.escalate:
+            log.error("in-process rollback: %s; step %d restored, persisting it and stopping", plan.reason, plan.target)
+            return Decision(trainer.global_step, Action.CHECKPOINT_AND_STOP, decision.event, decision.verdicts,
+                            code=_escalation_code(decision.event))  # fmt: skip
+        if self.config.lr_cooldown_steps:
+            if not self._cooldown_installed:
+                self.cooldown.install(list(trainer.optimizers))
+                self._cooldown_installed = True
+            self.cooldown.start(self.config.lr_cooldown_steps)
+        if trainer.is_global_zero:
+            log.warning(
+                "in-process rollback for %s at step %d: restored step %d from RAM in %.1f ms, %s",
+                decision.event.value, bad, plan.target, record.seconds * 1e3,
+                f"skipped the batch of step {bad}" if skip_ahead is not None else "batch kept",
+            )  # fmt: skip
+        return None
+
+    def _stop_unrestored(self, suite: Suite, trainer: Trainer, decision: Decision, plan: RollbackPlan) -> Decision:
+        """No snapshot old enough in RAM on every rank: stop without saving (the state is suspect); the restart
+        restores at most the step before the bad one."""
+        log.error("in-process rollback impossible: %s; stopping for a restart from step <= %d", plan.reason,
+                  plan.bad_step)  # fmt: skip
+        bound = max(plan.bad_step - self.config.steps_back, 0)
+        verdict = Verdict(decision.event, plan.detected_at, trainer.global_rank, plan.reason, "rollback",
+                          verified_step=bound, bad_step=plan.bad_step)  # fmt: skip
+        suite.mark_corrupt(trainer, verdict)
+        return Decision(trainer.global_step, Action.ROLLBACK, decision.event, decision.verdicts,
+                        code=_escalation_code(decision.event))  # fmt: skip
+
+    def _write_record(self, suite: Suite, trainer: Trainer, record: RollbackRecord) -> None:
+        if not trainer.is_global_zero:
+            return
+        try:
+            append_quarantine(suite.record_dir(trainer) / self.config.quarantine_file, record.to_json())
+        except OSError as err:
+            log.error("could not write the quarantine record: %s", err)
+
+    def close(self) -> None:
+        self.cooldown.remove()
+        self._cooldown_installed = False
+
+    def report(self) -> dict[str, Any]:
+        return self.governor.report()
+
+
+def _by_rank(gathered: list[Any]) -> dict[str, list[int]]:
+    """Rank -> indices of the skipped batch (the first train loader's; every loader's when there are several)."""
+    out: dict[str, list[int]] = {}
+    for rank, per_loader in enumerate(gathered):
+        found = [b for b in per_loader or [] if b is not None]
+        flat = [int(i) for b in found for i in (b if isinstance(b, list) else [b])]
+        if found:
+            out[str(rank)] = flat
+    return out
+
+
+def _escalation_code(event: Event) -> ExitCode:
+    return ExitCode.SDC if event is Event.SDC_MISMATCH else ExitCode.DIVERGED
