@@ -188,13 +188,14 @@ class ResumableBatchSampler(Sampler[Any]):
         # a generator: nothing below runs before the loader asks for its first batch of indices
         resume, self._resume = self._resume, None
         if resume is None:
-            handed, self.epoch = 0, self._capture()
+            handed, start, self.epoch = 0, 0, self._capture()
             it = iter(self.inner)
         else:
             handed, self.epoch = resume
-            it = self._replay(raw_position(handed, self.skip), self.epoch)
+            start = raw_position(handed, self.skip)
+            it = self._replay(start, self.epoch)
         epoch_seed = self.epoch.seed
-        for position, batch in enumerate(it, raw_position(handed, self.skip)):
+        for position, batch in enumerate(it, start):
             if position in self.skip:
                 continue
             self.recent[position] = batch

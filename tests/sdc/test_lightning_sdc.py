@@ -78,14 +78,16 @@ def test_nonfinite_gradient_read_late_stops_with_verified_rollback(
     tmp_path: Path, clean: dict[str, torch.Tensor]
 ) -> None:
     # the default read lag: the guard values of step 7 reach the host at step 8, after that update was applied; a
-    # non-finite update cannot be fixed in place, so the fit stops (exit code SDC) naming the newest verified step
+    # non-finite update cannot be fixed in place: with policy.nonfinite=rollback the fit stops (exit code SDC) naming
+    # the newest verified step (the default, an in-process rollback, is tested in tests/rollback)
     tiers = [MemoryTier(every_n_steps=1, keep=2), LocalTier(tmp_path / "ckpt", every_n_steps=3, keep=4)]
     config = SDCConfig(replay_every_n_steps=3, guard_min_history=4, rollback_tiers=["local"], run_dir=str(tmp_path))
     sdc, ckpt = SDCVerification(config), TieredCheckpoint(tiers, resume="never")
     inject = BitFlipInjection([FlipSpec("grad", step=7, bit_class="exponent", bit=30, seed=2)])
     model, data = build()
     with pytest.raises(DecidedExit) as ended:
-        trainer(STEPS, [sdc, ckpt, inject, _SettlePersists(3)]).fit(model, datamodule=data)
+        policy = ResiliencePolicy(PolicyConfig(nonfinite="rollback"))
+        trainer(STEPS, [sdc, ckpt, inject, policy, _SettlePersists(3)]).fit(model, datamodule=data)
     assert ended.value.code == ExitCode.SDC and sdc.stopped and sdc.rollback_step == 6
     nonfinite = [e for e in sdc.events if e.mechanism == "guard:nonfinite"]
     assert [(e.step, e.action) for e in nonfinite] == [(9, "rollback")]
