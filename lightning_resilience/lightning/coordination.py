@@ -95,8 +95,8 @@ class Suite:
         """The first verdict that found the training state corrupt in this fit, or None."""
         self.emergency_saved: int | None = None
         self.rollback_pending = False
-        """A verdict asked for an in-process rollback at this step (SDC's verdicts are agreed, so every rank knows):
-        the snapshot of this step is not taken, it would hold the suspect state."""
+        """An agreed verdict (SDC's, posted on every rank) asked for an in-process rollback at this step: the snapshot
+        of this step is not taken, it would hold the suspect state."""
         self._rollback: InProcessRollback | None = None
         self._fit_over = False
 
@@ -200,7 +200,9 @@ class Suite:
         """
         action = self.bus(trainer).post(verdict, at_least=at_least)
         if action is Action.ROLLBACK_IN_PROCESS:
-            self.rollback_pending = True
+            # SDC's verdicts are agreed (every rank posts them): only then may the snapshot be skipped, a persist due
+            # at this step is an agreement every rank must join
+            self.rollback_pending = self.rollback_pending or verdict.source == "sdc"
         elif verdict.event in (Event.SDC_MISMATCH, Event.NONFINITE):
             self.mark_corrupt(trainer, verdict)
         return action

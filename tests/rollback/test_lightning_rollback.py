@@ -36,9 +36,9 @@ BATCH = 8
 
 
 def _fit(run: Path, poison: list[int], steps: int, *, sampler: Any = None, policy: ResiliencePolicy | None = None,
-         local: bool = False) -> tuple[Trainer, torch.nn.Module]:  # fmt: skip
+         local: bool = False, scale: float = float("nan")) -> tuple[Trainer, torch.nn.Module]:  # fmt: skip
     seed_everything(5)
-    loader = DataLoader(_Many(poison), batch_size=BATCH, sampler=sampler)  # sequential: sample i in batch i // 8
+    loader = DataLoader(_Many(poison, scale), batch_size=BATCH, sampler=sampler)  # sequential: sample i in batch i//8
     tiers: list[Any] = [MemoryTier(every_n_steps=1, keep=2)]
     if local:
         tiers.append(LocalTier(run / "ckpt", every_n_steps=100, keep=2))
@@ -54,15 +54,15 @@ def _fit(run: Path, poison: list[int], steps: int, *, sampler: Any = None, polic
 
 
 class _Many(PoisonedPoints):
-    """Several poisoned samples."""
+    """Several poisoned samples (NaN features, or features scaled by ``scale``)."""
 
-    def __init__(self, poison: list[int]) -> None:
+    def __init__(self, poison: list[int], scale: float = float("nan")) -> None:
         super().__init__(-1)
-        self.poisoned = set(poison)
+        self.poisoned, self.scale = set(poison), scale
 
     def __getitem__(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = super().__getitem__(idx)
-        return (x * float("nan"), y) if idx in self.poisoned else (x, y)
+        return (x * self.scale, y) if idx in self.poisoned else (x, y)
 
 
 def test_a_nan_sample_is_rolled_back_and_skipped_and_the_run_equals_one_without_its_batch(tmp_path: Path) -> None:
@@ -95,3 +95,13 @@ def test_past_the_cap_the_good_state_is_persisted_and_the_job_stops_diverged(tmp
     assert persisted == [8]  # the restored good state, not the NaN one it replaced
     assert policy.suite is not None and policy.suite.decision is not None
     assert policy.suite.decision.action.value == "checkpoint_and_stop"
+
+
+def test_spikes_roll_back_when_opted_in(tmp_path: Path) -> None:
+    # a finite sample 1000x off the data: its loss is a spike against the guard's baseline (8 steps of history)
+    policy = ResiliencePolicy(PolicyConfig(spike="rollback_in_process"))
+    trainer, _ = _fit(tmp_path, [12 * BATCH + 4], steps=20, policy=policy, scale=1000.0)
+    assert trainer.global_step == 20
+    [record] = read_quarantine(tmp_path / "quarantine.jsonl")
+    assert (record["cause"], record["bad_step"], record["target"]) == ("spike", 12, 12)
+    assert 12 * BATCH + 4 in record["skipped"]["0"]
