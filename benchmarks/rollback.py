@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +50,7 @@ from benchmarks._common import (
     target,
     write_json,
 )
+from tests._ranks import free_port
 
 MODULE = "benchmarks.rollback"
 DEFAULT_OUT = RESULTS_DIR / "rollback.json"
@@ -94,7 +94,7 @@ def _poison(bad_step: int) -> int:
 def _run(path: str, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(JOB), str(run_dir),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(JOB), str(run_dir),
         str(args.steps), str(_poison(args.bad_step)), str(args.hidden), *COMMON, *PATHS[path],
     ]  # fmt: skip
     env = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -107,12 +107,6 @@ def _run(path: str, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         times += [json.loads(line) for line in f.read_text().splitlines()]
     times.sort(key=lambda e: e["t"])
     return _figures(times, path)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _figures(times: list[dict[str, Any]], path: str) -> dict[str, Any]:

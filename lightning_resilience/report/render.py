@@ -215,7 +215,8 @@ def _detection_rows(sections: Mapping[str, Mapping[str, Any]]) -> list[tuple[str
                 value = section.get(key)
                 if isinstance(value, list):
                     rows.append((f"{name} {key}", str(len(value))))
-        rows += _rollback_rows(name, section.get("rollback"))
+        if name == "rollback" or "rollback" not in sections:  # the run directory's list covers every attempt
+            rows += _rollback_rows(name, section.get("rollback") if name != "rollback" else section)
         detections = section.get("detections")
         if isinstance(detections, Mapping):
             total = sum(v for v in detections.values() if isinstance(v, int | float))
@@ -235,7 +236,7 @@ def _rollback_rows(name: str, rollback: Any) -> list[tuple[str, str]]:
         skipped = sum(len(v) for v in (r.get("skipped") or {}).values() if isinstance(v, list))
         rows.append(
             (
-                f"{name} rollback",
+                "in-process rollback" if name == "rollback" else f"{name} rollback",
                 f"step {r.get('detected_at')} ({r.get('cause')}, bad step {r.get('bad_step')}): restored step "
                 f"{r.get('target')} in {_ms(r.get('seconds'))}, {r.get('steps_lost')} step(s) lost, "
                 f"{skipped} sample(s) quarantined" + (": escalated, job stopped" if r.get("escalated") else ""),

@@ -16,6 +16,8 @@ from lightning_resilience.report.model import REPORT_NAME, ResilienceReport, sav
 from lightning_resilience.report.plots import plot
 from lightning_resilience.report.render import render_table
 from lightning_resilience.report.rundir import explain_run
+from lightning_resilience.rollback.config import RollbackConfig
+from lightning_resilience.rollback.quarantine import read_quarantine
 
 __all__ = ["ReportFiles", "explain", "write_report"]
 
@@ -57,7 +59,22 @@ def explain(report: ResilienceReport, run_dir: str | Path, *, current_attempt: s
     if records.attempts:
         report.attempts = [a.to_json() for a in attributions]
         report.timeline = timeline.to_json() if timeline is not None else None
+    rollbacks = _quarantine(Path(run_dir))
+    if rollbacks:  # every attempt's in-process rollbacks, also when the attempt that made them wrote no report
+        report.sections["rollback"] = {
+            "rollbacks": [r for r in rollbacks if not r.get("escalated")],
+            "escalated": next((r for r in rollbacks if r.get("escalated")), None),
+        }
     return report
+
+
+def _quarantine(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of the run directory's quarantine file (in it or in its ``resilience/`` folder)."""
+    name = RollbackConfig().quarantine_file
+    for path in (run_dir / name, run_dir / "resilience" / name):
+        if path.is_file():
+            return read_quarantine(path)
+    return []
 
 
 def write_report(

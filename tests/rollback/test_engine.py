@@ -141,3 +141,20 @@ def test_an_escalated_decision_carries_its_own_exit_code() -> None:
     assert stop.exit_code is ExitCode.DIVERGED
     assert Decision(9, Action.ROLLBACK, Event.NONFINITE).exit_code is ExitCode.SDC
     assert Decision(9, Action.ROLLBACK_IN_PROCESS, Event.SPIKE, code=ExitCode.DIVERGED).exit_code is ExitCode.OK
+
+
+def test_the_report_of_a_run_directory_lists_every_rollback_of_its_quarantine_file(tmp_path: Path) -> None:
+    from lightning_resilience.report import ResilienceReport, explain
+    from lightning_resilience.report.render import _detection_rows
+
+    path = tmp_path / "resilience" / "quarantine.jsonl"
+    append_quarantine(path, _record(5, 5).to_json() | {"skipped": {"0": [1, 2], "1": [3, 4]}, "seconds": 0.004})
+    append_quarantine(path, _record(9, 9, escalated=True).to_json())
+    report = explain(ResilienceReport(), tmp_path)
+    assert [r["bad_step"] for r in report.sections["rollback"]["rollbacks"]] == [5]
+    assert report.sections["rollback"]["escalated"]["bad_step"] == 9
+    rows = [v for k, v in _detection_rows(report.sections) if k == "in-process rollback"]
+    assert (
+        rows[0] == "step 7 (nonfinite, bad step 5): restored step 5 in 4.00 ms, 2 step(s) lost, 4 sample(s) quarantined"
+    )
+    assert rows[1].endswith("escalated, job stopped")
