@@ -128,14 +128,14 @@ def _newest_complete(committed: dict[str, list[int]], world_size: int, damaged: 
     return max(steps, default=None)
 
 
-def _leftovers(run_dir: Path) -> list[str]:
+def leftovers(run_dir: Path, grace_s: float = LEFTOVER_GRACE_S) -> list[str]:
     """Processes of the drill still alive once the job ended (they all carry the run directory on their command
-    line); waits up to :data:`LEFTOVER_GRACE_S` for them to go, then kills them and names them."""
+    line); waits up to ``grace_s`` for them to go, then kills them and names them."""
     mine = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         if str(run_dir) in " ".join(proc.info["cmdline"] or []):
             mine.append(proc)
-    _, alive = psutil.wait_procs(mine, timeout=LEFTOVER_GRACE_S)
+    _, alive = psutil.wait_procs(mine, timeout=grace_s)
     names = [f"pid {p.pid}: {' '.join(p.info['cmdline'] or [])[:160]}" for p in alive]
     for proc in alive:
         proc.kill()
@@ -219,9 +219,9 @@ def run_one(seed: int, references: References, root: Path, faults: tuple[str, ..
     else:
         check(result, reference, outcome)
     outcome.wall_s = round(time.perf_counter() - start, 2)
-    leftovers = _leftovers(run_dir)
-    if leftovers:
-        outcome.problems.append(f"processes left after the job ended: {leftovers}")
+    left = leftovers(run_dir)
+    if left:
+        outcome.problems.append(f"processes left after the job ended: {left}")
     return outcome
 
 

@@ -8,15 +8,18 @@ configuration serves every drill. A failure names the command that replays it: `
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.drills.campaign import FAULTS, Outcome, References, draw, run_one
-
-pytestmark = pytest.mark.slow
+from tests.drills._harness import Drill, DrillResult
+from tests.drills.campaign import FAULTS, Outcome, References, check, draw, leftovers, run_one
 
 SEED = int(os.environ.get("DRILL_SEED", time.strftime("%Y%m%d", time.gmtime())))
 N = int(os.environ.get("CAMPAIGN_CI_N", "6"))
@@ -30,8 +33,59 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> References:
 def test_every_fault_kind_can_be_drawn() -> None:
     drawn = {draw(seed).fault for seed in range(200)}
     assert drawn == set(FAULTS[1:])
+    assert {draw(seed, faults=("enospc",)).fault for seed in range(5)} == {"enospc"}
 
 
+def _fake_run(run_dir: Path, restored: int | None, damaged: int | None, weights: torch.Tensor) -> DrillResult:
+    """What a drill leaves: a fault record at t=100, attempt 0 before it, attempt 1 after it restoring ``restored``
+    with steps 10 and 20 committed on both ranks."""
+    (run_dir / "reports").mkdir(parents=True)
+    (run_dir / "faults.jsonl").write_text(json.dumps({"time": 100.0, "kind": "corrupt-shard", "damaged": damaged}))
+    for rank in (0, 1):
+        before = {"committed": {}, "start_time": 10.0, "restored_step": None, "first_step_time": 11.0}
+        after = {"committed": {"10": [0, 1], "20": [0, 1]}, "start_time": 120.0, "restored_step": restored}
+        after |= {"first_step_time": 130.0, "final_step": 40}
+        (run_dir / "reports" / f"launch0_attempt0_rank{rank}.json").write_text(json.dumps(before))
+        (run_dir / "reports" / f"launch0_attempt1_rank{rank}.json").write_text(json.dumps(after))
+    torch.save({"w": weights}, run_dir / "weights.pt")
+    return DrillResult(Drill(fault="corrupt-shard", step=25), run_dir)
+
+
+@pytest.mark.parametrize(
+    ("restored", "damaged", "weights", "problem"),
+    [
+        (20, None, torch.ones(3), None),
+        (20, 20, torch.ones(3), "loaded the damaged step 20"),
+        (10, None, torch.ones(3), "restored step 10, but the newest step committed on every rank was 20"),
+        (10, 20, torch.ones(3), None),
+        (20, None, torch.tensor([1.0, 1.0, 1.5]), "final weights differ"),
+    ],
+)
+def test_check_names_every_broken_invariant(
+    tmp_path: Path, restored: int, damaged: int | None, weights: torch.Tensor, problem: str | None
+) -> None:
+    outcome = Outcome(1, "corrupt-shard", 1, 25, 0, "local")
+    check(_fake_run(tmp_path, restored, damaged, weights), {"w": torch.ones(3)}, outcome)
+    if problem is None:
+        assert outcome.ok, outcome.problems
+        assert outcome.recovery_s == 30.0
+    else:
+        assert any(problem in p for p in outcome.problems), outcome.problems
+
+
+def test_a_process_left_behind_is_named_and_ended(tmp_path: Path) -> None:
+    code = "import sys, threading; threading.Event().wait(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)])
+    try:
+        left = leftovers(tmp_path, grace_s=0.5)
+        assert len(left) == 1 and f"pid {proc.pid}" in left[0], left
+        assert proc.wait(timeout=10) != 0
+    finally:
+        proc.kill()
+    assert leftovers(tmp_path, grace_s=0.5) == []
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(N))
 def test_random_drill(tmp_path: Path, references: References, index: int) -> None:
     outcome: Outcome = run_one(SEED + index, references, tmp_path)
