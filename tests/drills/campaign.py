@@ -303,12 +303,18 @@ def table(campaigns: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def rendered(text: str, results_dir: Path = RESULTS_DIR) -> str:
+    """``text`` (docs/reliability.md) with its campaign block regenerated from every results file in
+    ``results_dir``."""
+    campaigns = [json.loads(p.read_text()) for p in sorted(results_dir.glob("drill_campaign_*.json"))]
+    block = table(campaigns) if campaigns else f"{BEGIN}\nNo campaign published yet.\n{END}"
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    return text[:start] + block + text[end:]
+
+
 def publish(results_dir: Path = RESULTS_DIR, docs: Path = DOCS) -> None:
     """Regenerate the campaign table of ``docs`` from every results file in ``results_dir``."""
-    campaigns = [json.loads(p.read_text()) for p in sorted(results_dir.glob("drill_campaign_*.json"))]
-    text = docs.read_text()
-    start, end = text.index(BEGIN), text.index(END) + len(END)
-    docs.write_text(text[:start] + table(campaigns) + text[end:])
+    docs.write_text(rendered(docs.read_text(), results_dir))
 
 
 def main(argv: list[str]) -> int:

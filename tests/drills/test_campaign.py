@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.drills._harness import Drill, DrillResult
-from tests.drills.campaign import FAULTS, Outcome, References, check, draw, leftovers, run_one
+from tests.drills.campaign import DOCS, FAULTS, Outcome, References, check, draw, leftovers, rendered, run_one
 
 SEED = int(os.environ.get("DRILL_SEED", time.strftime("%Y%m%d", time.gmtime())))
 N = int(os.environ.get("CAMPAIGN_CI_N", "6"))
@@ -34,6 +34,11 @@ def test_every_fault_kind_can_be_drawn() -> None:
     drawn = {draw(seed).fault for seed in range(200)}
     assert drawn == set(FAULTS[1:])
     assert {draw(seed, faults=("enospc",)).fault for seed in range(5)} == {"enospc"}
+
+
+def test_the_docs_table_is_generated_from_the_published_results() -> None:
+    text = DOCS.read_text()
+    assert rendered(text) == text, "docs/reliability.md is stale: run `python -m tests.drills.campaign --docs-only`"
 
 
 def _fake_run(run_dir: Path, restored: int | None, damaged: int | None, weights: torch.Tensor) -> DrillResult:
