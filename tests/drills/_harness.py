@@ -6,7 +6,8 @@ a :class:`Drill` (script, world size, steps, loader workers, fault); :func:`run_
 own and returns a :class:`DrillResult` with every attempt's report and the final weights; :func:`first_difference`
 names the first tensor that differs. Seeds are printed so a failing drill replays: ``DRILL_SEED=<seed>``.
 
-The script must accept ``--run-dir --steps --workers --fault --fault-step --fault-rank --launch --fault-launch``,
+The script must accept ``--run-dir --steps --workers --fault --fault-step --fault-rank --launch --fault-launch``
+(and ``--checkpoint`` when a drill names a checkpoint preset other than ``local``),
 write ``reports/launch<L>_attempt<N>_rank<R>.json`` and, on rank 0 of the attempt that reaches ``--steps``,
 ``weights.pt`` (``tests/drills/_user_script.py`` is the reference).
 """
