@@ -129,9 +129,10 @@ def _env() -> dict[str, str]:
     }
 
 
-def run_drill(drill: Drill, run_dir: Path, max_launches: int = 2) -> DrillResult:
+def run_drill(drill: Drill, run_dir: Path, max_launches: int = 2, env: dict[str, str] | None = None) -> DrillResult:
     """Run ``drill`` in ``run_dir``; relaunch while the job ended early on a fault that ends it (at most
-    ``max_launches`` launches). Raises ``AssertionError`` with the logs when no launch finishes."""
+    ``max_launches`` launches); ``env`` adds to the launch's environment. Raises ``AssertionError`` with the logs
+    when no launch finishes."""
     run_dir.mkdir(parents=True, exist_ok=True)
     result = DrillResult(drill, run_dir)
     print(f"drill: {drill.describe()} in {run_dir}", flush=True)
@@ -144,7 +145,12 @@ def run_drill(drill: Drill, run_dir: Path, max_launches: int = 2) -> DrillResult
         if drill.checkpoint != "local":
             args += ["--checkpoint", drill.checkpoint]
         proc = subprocess.run(
-            launch_command(drill, args), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=drill.timeout_s
+            launch_command(drill, args),
+            cwd=ROOT,
+            env={**_env(), **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=drill.timeout_s,
         )
         result.launches.append(proc)
         (run_dir / f"launch{launch}.log").write_text(proc.stdout + "\n---- stderr ----\n" + proc.stderr)

@@ -24,7 +24,11 @@ step K, in launch ``L`` (``--fault-launch``) on its first torchrun attempt only:
   the script), training goes on, then rank R SIGKILLs itself at K; the restart must not load the failed step;
 * ``node-loss``: rank R's node is lost with its RAM and disk: its shards are deleted and it SIGKILLs itself;
 * ``sigkill-peer-send``: with ``--checkpoint tiered`` (a peer tier), rank R is SIGKILLed as it starts sending its
-  shard of peer step K to its peer, which is waiting to receive it (armed by the script that owns the tier).
+  shard of peer step K to its peer, which is waiting to receive it (armed by the script that owns the tier);
+* ``s3-outage``: with ``--checkpoint s3`` (a remote tier on a local S3 server), the server is killed as rank R
+  starts uploading the persist step before K and comes back seconds later (armed by the script); at K, once its
+  persists settled, rank R loses its node's disk and is SIGKILLed: the restart must restore the newest step every
+  rank has somewhere, rank R's from the store.
 
 Every fault writes ``RUN/faults.jsonl`` (one line per fault: kind, rank, step, wall time, the step it damaged) before
 it fires; every attempt's report gives what the checkpoint directory held before the engine touched it
@@ -64,10 +68,12 @@ FAULTS = (
     "enospc",
     "node-loss",
     "sigkill-peer-send",
+    "s3-outage",
 )
-CHECKPOINTS = ("local", "tiered")
+CHECKPOINTS = ("local", "tiered", "s3")
 """``--checkpoint``: the checkpoint preset of ``resilience=default`` (``local``) or ``resilience/checkpoint=tiered``
-(RAM, a peer tier every 5 steps with each of the 2 ranks its own node, local disk every 20 steps)."""
+(RAM, a peer tier every 5 steps with each of the 2 ranks its own node, local disk every 20 steps) or
+``resilience/checkpoint=tiered_s3`` (RAM, local disk and an S3 store, both every 10 steps)."""
 PERSIST_EVERY = 10  # the local tier's cadence in the default preset (configs/resilience/checkpoint/local.yaml)
 START_LIMIT_S = 20.0  # a submitted persist reaches the disk within milliseconds
 
@@ -195,7 +201,7 @@ class Fault(Callback):
             self._record()
             print(f"DRILL: rank {self.rank} SIGTERM to the launcher after step {self.step}", flush=True)
             os.kill(os.getppid(), signal.SIGTERM)
-        if self.kind in ("sigkill-restore", "corrupt-shard", "truncate-shard", "node-loss"):
+        if self.kind in ("sigkill-restore", "corrupt-shard", "truncate-shard", "node-loss", "s3-outage"):
             self.settle()
         if self.kind in ("sigkill", "sigkill-restore", "sigkill-persist", "enospc"):
             # the persist runs on the engine's thread: wait until it is half-way through the shard (or has failed)
@@ -204,10 +210,14 @@ class Fault(Callback):
             damaged = {"enospc": self.step // PERSIST_EVERY * PERSIST_EVERY, "sigkill-persist": self.step}
             self._record(damaged=damaged.get(self.kind))
             self._kill()
-        elif self.kind in ("corrupt-shard", "truncate-shard", "node-loss"):
+        elif self.kind in ("corrupt-shard", "truncate-shard", "node-loss", "s3-outage"):
             mine = sorted(s for s, ranks in committed_in(self.run_dir / "ckpt").items() if self.rank in ranks)
             shards = [self.run_dir / "ckpt" / f"step_{s:012d}" / f"rank_{self.rank:05d}" for s in mine]
-            if self.kind == "node-loss":
+            if self.kind == "s3-outage":  # the node's disk is lost: its shards are no longer anywhere but the store
+                self._record(damaged=None, phase="node-loss")
+                for shard in shards:
+                    shutil.rmtree(shard)
+            elif self.kind == "node-loss":
                 self._record(damaged=mine)
                 for shard in shards:  # the node's disk is gone with it
                     shutil.rmtree(shard)
@@ -264,12 +274,20 @@ def parse(argv: list[str], description: str) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def drill_callbacks(args: argparse.Namespace, restored: Callable[[Trainer], int | None] | None = None) -> list[Any]:
-    """This attempt's report, and the fault when this launch's first attempt is the one to hit."""
+def drill_callbacks(
+    args: argparse.Namespace,
+    restored: Callable[[Trainer], int | None] | None = None,
+    store: Callable[[], dict[int, list[int]]] | None = None,
+) -> list[Any]:
+    """This attempt's report, and the fault when this launch's first attempt is the one to hit. ``store`` lists
+    what a remote tier holds (step -> ranks), for the report's ``committed``."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     tag = f"launch{args.launch}_attempt{attempt}_rank{int(os.environ.get('RANK', '0'))}"
     # what the checkpoint directory held before the engine touched it (the restart's own view of what is committed)
-    before = {"launch": args.launch, "committed": committed(args.run_dir), "start_time": time.time()}
+    held = committed(args.run_dir)
+    for step, ranks in (store() if store is not None else {}).items():
+        held[step] = sorted(set(held.get(step, [])) | set(ranks))
+    before = {"launch": args.launch, "committed": held, "start_time": time.time()}
     out: list[Any] = [Report(args.run_dir / "reports" / f"{tag}.json", before, restored)]
     in_plumbing = ("none", "hang-collective", "sigkill-peer-send")  # armed by the script inside our tiers and groups
     if args.fault not in in_plumbing and attempt == 0 and args.launch == args.fault_launch:

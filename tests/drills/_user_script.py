@@ -29,13 +29,15 @@ from hydra import compose, initialize_config_dir
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.utils.data import DataLoader
 
-from lightning_resilience import DecidedExit, LocalTier, Suite, TieredCheckpoint
+from lightning_resilience import DecidedExit, LocalTier, RemoteTier, Suite, TieredCheckpoint
+from lightning_resilience.checkpoint.layout import parse_step
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tier import Written
 from lightning_resilience.checkpoint.tree import TensorSpec
 from lightning_resilience.collective import Deadline, set_fault_hook
 from lightning_resilience.config.registry import register_configs
 from lightning_resilience.lightning.suite import build_suite
+from tests.drills._s3_outage import CONTROL_ENV, ENDPOINT_ENV, committed_in_store, request_outage, storage_overrides
 from tests.drills._train_script import _StallingSnapshot
 from tests.drills._user_code import (
     PERSIST_EVERY,
@@ -58,6 +60,8 @@ def default_preset_callbacks(run_dir: Path, checkpoint: str = "local") -> list[C
     overrides = [f"run_dir={run_dir}", "resilience=default"]
     if checkpoint == "tiered":
         overrides += ["resilience/checkpoint=tiered", "+resilience.checkpoint.tiers.1.ranks_per_node=1"]
+    elif checkpoint == "s3":
+        overrides += storage_overrides(os.environ[ENDPOINT_ENV], run_dir.name, PERSIST_EVERY)
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("pretrain_gpt", overrides=overrides)
     return build_suite(cfg.resilience)
@@ -138,6 +142,27 @@ def arm_peer_send_kill(args: argparse.Namespace) -> None:
     set_fault_hook(dying_exchange)
 
 
+def arm_store_outage(args: argparse.Namespace, callbacks: list[Callback]) -> None:
+    """Have the S3 server killed as this rank starts uploading the persist step before ``--fault-step``; it comes back
+    1 to 3 s later, within the remote tier's retries."""
+    tiered = next(c for c in callbacks if isinstance(c, TieredCheckpoint))
+    remote = next(t for t in tiered.tiers if isinstance(t, RemoteTier))
+    upload, step = remote._upload, args.fault_step // PERSIST_EVERY * PERSIST_EVERY
+    seconds, pending = 1 + args.fault_step % 3, [True]
+
+    def upload_through_outage(local: Path, key: str) -> None:
+        uploading = parse_step(key.split("/")[-3])  # <prefix>/step_.../rank_.../<file>
+        # a persist that finds the previous one still running is deferred to a later step: the first one from P on
+        if pending and uploading is not None and uploading >= step:
+            pending.clear()
+            record_fault(args.run_dir, kind="s3-outage", rank=args.fault_rank, step=uploading, phase="outage")
+            print(f"DRILL: rank {args.fault_rank} S3 down for {seconds} s uploading step {uploading}", flush=True)
+            request_outage(os.environ[CONTROL_ENV], seconds)
+        upload(local, key)
+
+    remote._upload = upload_through_outage  # type: ignore[method-assign,assignment]
+
+
 def arm_collective_hang(args: argparse.Namespace) -> None:
     """Make this rank block inside the policy's per-step agreement once step ``--fault-step`` is done."""
 
@@ -169,6 +194,8 @@ def arm(args: argparse.Namespace, extra: list[Callback], callbacks: list[Callbac
         arm_collective_hang(args)
     elif args.fault == "sigkill-peer-send" and attempt == 0:
         arm_peer_send_kill(args)
+    elif args.fault == "s3-outage" and attempt == 0:
+        arm_store_outage(args, callbacks)
 
 
 def _restored(trainer: Trainer) -> int | None:
@@ -184,7 +211,11 @@ def main(argv: list[str]) -> int:
     model = Regressor()
     callbacks = default_preset_callbacks(args.run_dir, args.checkpoint)
     # ---- the drill's additions
-    extra = drill_callbacks(args, _restored)
+    store = None
+    if args.checkpoint == "s3":
+        endpoint = os.environ[ENDPOINT_ENV]
+        store = lambda: committed_in_store(endpoint, args.run_dir.name)  # noqa: E731
+    extra = drill_callbacks(args, _restored, store)
     arm(args, extra, callbacks)
     # ---- the user's script
     trainer = Trainer(

@@ -21,6 +21,7 @@ every published results file (``--docs-only`` does that without running anything
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -35,6 +36,7 @@ import psutil
 import torch
 
 from tests.drills._harness import ROOT, Drill, DrillResult, first_difference, run_drill
+from tests.drills._s3_outage import S3Outages
 from tests.drills._user_code import FAULTS, PERSIST_EVERY
 
 STEPS = 40
@@ -66,7 +68,7 @@ def draw(seed: int, steps: int = STEPS, faults: tuple[str, ...] = FAULTS[1:]) ->
     persist_steps = range(PERSIST_EVERY, steps, PERSIST_EVERY)
     if fault == "sigkill-persist":
         step = rng.choice(persist_steps)
-    elif fault == "enospc":  # the persist of P fails, the kill comes before the next persist is due
+    elif fault in ("enospc", "s3-outage"):  # the persist of P fails or is cut; the kill comes before the next one
         step = rng.choice(persist_steps) + rng.randint(2, PERSIST_EVERY - 2)
     elif fault == "sigkill-peer-send":  # the tiered preset's peer tier replicates every 5 steps
         step = rng.choice(range(PEER_EVERY, steps, PEER_EVERY))
@@ -78,7 +80,7 @@ def draw(seed: int, steps: int = STEPS, faults: tuple[str, ...] = FAULTS[1:]) ->
         step = rng.randint(PERSIST_EVERY + 2, steps - 2)
     else:
         step = rng.randint(2, steps - 3)
-    checkpoint = "tiered" if fault == "sigkill-peer-send" else "local"
+    checkpoint = {"sigkill-peer-send": "tiered", "s3-outage": "s3"}.get(fault, "local")
     rank, workers = rng.randint(0, 1), rng.choice((0, 2))
     return Drill(fault=fault, step=step, rank=rank, workers=workers, steps=steps, checkpoint=checkpoint)
 
@@ -161,7 +163,10 @@ def check(result: DrillResult, reference: dict[str, torch.Tensor], outcome: Outc
         return
     if drill.fault == "sigkill-restore" and len(faults) < 2:
         problems.append("the restarted attempt was never killed restoring (nothing committed to restore?)")
-    fault_time = faults[0]["time"]
+    if drill.fault == "s3-outage" and [f.get("phase") for f in faults] != ["outage", "node-loss"]:
+        problems.append(f"the store outage and then the node loss should have happened, not {faults}")
+    # recovery runs from the fault that stopped the job (an outage of the store alone stops nothing)
+    fault_time = next((f["time"] for f in faults if f.get("phase") != "outage"), faults[0]["time"])
     damaged = _damaged(faults)
     outcome.damaged = sorted(damaged)
     after = sorted(
@@ -197,13 +202,27 @@ class References:
     def __init__(self, root: Path, steps: int = STEPS) -> None:
         self.root, self.steps = root, steps
         self._weights: dict[Drill, dict[str, torch.Tensor]] = {}
+        self._store: S3Outages | None = None
+
+    def env(self, drill: Drill) -> dict[str, str]:
+        """What the drill's launches need in their environment: the S3 store, started on first use."""
+        if drill.checkpoint != "s3":
+            return {}
+        if self._store is None:
+            self._store = S3Outages(self.root)
+        return self._store.env
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
     def __getitem__(self, drill: Drill) -> dict[str, torch.Tensor]:
         """The final weights of ``drill`` without its fault."""
         reference = drill.reference
         if reference not in self._weights:
             run_dir = self.root / f"reference_w{reference.workers}_{reference.checkpoint}"
-            result = run_drill(reference, run_dir)
+            result = run_drill(reference, run_dir, env=self.env(reference))
             assert all(r["restored_step"] is None for r in result.reports.values()), "the reference restored"
             self._weights[reference] = result.weights()
         return self._weights[reference]
@@ -218,7 +237,7 @@ def run_one(seed: int, references: References, root: Path, faults: tuple[str, ..
     outcome.faults = "" if set(faults) == set(FAULTS[1:]) else ",".join(faults)
     start = time.perf_counter()
     try:
-        result = run_drill(drill, run_dir)
+        result = run_drill(drill, run_dir, env=references.env(drill))
     except Exception as err:  # a launch that failed (AssertionError) or ran past its bound (TimeoutExpired)
         outcome.problems.append(f"the job did not finish: {type(err).__name__}: {str(err)[-3000:]}")
     else:
@@ -244,29 +263,40 @@ def run_campaign(
     references = References(root, steps)
     outcomes: list[Outcome] = []
     start = time.perf_counter()
-    for index in range(n):
-        outcome = run_one(seed + index, references, root, faults)
-        outcomes.append(outcome)
-        status = "ok" if outcome.ok else "FAILED: " + " | ".join(outcome.problems)
-        log(
-            f"[{index + 1}/{n}] seed {outcome.seed}: {outcome.fault} rank {outcome.rank} step {outcome.step} "
-            f"workers {outcome.workers} checkpoint {outcome.checkpoint}: {status} (recovered in "
-            f"{outcome.recovery_s} s, drill {outcome.wall_s} s; replay: {outcome.replay()})"
-        )
-        results = {
-            "seed": seed,
-            "n": n,
-            "steps": steps,
-            "command": replay_command(seed, outcome.faults, n),
-            "date": time.strftime("%Y-%m-%d", time.gmtime()),
-            "machine": f"{psutil.cpu_count()} CPU cores (shared), 2 ranks (gloo)",
-            "elapsed_s": round(time.perf_counter() - start, 1),
-            "drills": [asdict(o) for o in outcomes],
-        }
-        tmp = results_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(results, indent=1) + "\n")
-        tmp.replace(results_path)
+    with contextlib.closing(references):
+        for index in range(n):
+            outcomes.append(_run_logged(seed, index, n, references, root, faults, log))
+            _write_results(results_path, seed, n, steps, outcomes, time.perf_counter() - start)
     return outcomes
+
+
+def _run_logged(
+    seed: int, index: int, n: int, references: References, root: Path, faults: tuple[str, ...], log: Any
+) -> Outcome:
+    outcome = run_one(seed + index, references, root, faults)
+    status = "ok" if outcome.ok else "FAILED: " + " | ".join(outcome.problems)
+    log(
+        f"[{index + 1}/{n}] seed {outcome.seed}: {outcome.fault} rank {outcome.rank} step {outcome.step} "
+        f"workers {outcome.workers} checkpoint {outcome.checkpoint}: {status} (recovered in "
+        f"{outcome.recovery_s} s, drill {outcome.wall_s} s; replay: {outcome.replay()})"
+    )
+    return outcome
+
+
+def _write_results(path: Path, seed: int, n: int, steps: int, outcomes: list[Outcome], elapsed_s: float) -> None:
+    results = {
+        "seed": seed,
+        "n": n,
+        "steps": steps,
+        "command": replay_command(seed, outcomes[0].faults, n),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "machine": f"{psutil.cpu_count()} CPU cores (shared), 2 ranks (gloo)",
+        "elapsed_s": round(elapsed_s, 1),
+        "drills": [asdict(o) for o in outcomes],
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1) + "\n")
+    tmp.replace(path)
 
 
 # ---------------------------------------------------------------------------------------------- results and docs
