@@ -14,6 +14,7 @@ write ``reports/launch<L>_attempt<N>_rank<R>.json`` and, on rank 0 of the attemp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from tests._ranks import free_port
@@ -129,6 +131,23 @@ def _env() -> dict[str, str]:
     }
 
 
+def _run_bounded(cmd: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run``, except that past ``timeout_s`` the whole launch (launcher, ranks, loader workers) is
+    SIGKILLed, not the launcher alone: torchrun puts each rank in a session of its own, and a rank would outlive it.
+    Then ``TimeoutExpired`` is raised."""
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            launcher = psutil.Process(proc.pid)
+            for member in [*launcher.children(recursive=True), launcher]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    member.kill()
+            stdout, stderr = proc.communicate(timeout=30)
+            raise subprocess.TimeoutExpired(cmd, timeout_s, stdout, stderr) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def run_drill(drill: Drill, run_dir: Path, max_launches: int = 2, env: dict[str, str] | None = None) -> DrillResult:
     """Run ``drill`` in ``run_dir``; relaunch while the job ended early on a fault that ends it (at most
     ``max_launches`` launches); ``env`` adds to the launch's environment. Raises ``AssertionError`` with the logs
@@ -144,14 +163,7 @@ def run_drill(drill: Drill, run_dir: Path, max_launches: int = 2, env: dict[str,
         ]  # fmt: skip
         if drill.checkpoint != "local":
             args += ["--checkpoint", drill.checkpoint]
-        proc = subprocess.run(
-            launch_command(drill, args),
-            cwd=ROOT,
-            env={**_env(), **(env or {})},
-            capture_output=True,
-            text=True,
-            timeout=drill.timeout_s,
-        )
+        proc = _run_bounded(launch_command(drill, args), {**_env(), **(env or {})}, drill.timeout_s)
         result.launches.append(proc)
         (run_dir / f"launch{launch}.log").write_text(proc.stdout + "\n---- stderr ----\n" + proc.stderr)
         if proc.returncode == 0 and (run_dir / "weights.pt").exists():

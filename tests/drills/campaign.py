@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import statistics
 import sys
@@ -138,9 +139,10 @@ def _newest_complete(committed: dict[str, list[int]], world_size: int, damaged: 
 def leftovers(run_dir: Path, grace_s: float = LEFTOVER_GRACE_S) -> list[str]:
     """Processes of the drill still alive once the job ended (they all carry the run directory on their command
     line); waits up to ``grace_s`` for them to go, then kills them and names them."""
+    us = {os.getpid(), *(p.pid for p in psutil.Process().parents())}  # the campaign may name the directory too
     mine = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
-        if str(run_dir) in " ".join(proc.info["cmdline"] or []):
+        if proc.pid not in us and str(run_dir) in " ".join(proc.info["cmdline"] or []):
             mine.append(proc)
     _, alive = psutil.wait_procs(mine, timeout=grace_s)
     names = [f"pid {p.pid}: {' '.join(p.info['cmdline'] or [])[:160]}" for p in alive]

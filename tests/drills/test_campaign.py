@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.drills._harness import Drill, DrillResult
+from tests.drills._harness import Drill, DrillResult, _run_bounded
 from tests.drills.campaign import DOCS, FAULTS, Outcome, References, check, draw, leftovers, rendered, run_one
 
 SEED = int(os.environ.get("DRILL_SEED", time.strftime("%Y%m%d", time.gmtime())))
@@ -97,3 +97,16 @@ def test_random_drill(tmp_path: Path, references: References, index: int) -> Non
     print(f"drill seed {outcome.seed}: {outcome.fault} rank {outcome.rank} step {outcome.step}, recovered in "
           f"{outcome.recovery_s} s, restored {outcome.restored}")  # fmt: skip
     assert outcome.ok, f"{outcome.problems}; replay: {outcome.replay()} (run dir {outcome.run_dir})"
+
+
+def test_a_launch_past_its_bound_is_ended_with_the_processes_it_started(tmp_path: Path) -> None:
+    # the child goes to a session of its own, as torchrun's ranks do
+    child = f"import threading; threading.Event().wait(60)  # {tmp_path}"
+    code = (
+        "import subprocess, sys, threading; "
+        f"subprocess.Popen([sys.executable, '-c', {child!r}, {str(tmp_path)!r}], start_new_session=True); "
+        "threading.Event().wait(60)"
+    )
+    with pytest.raises(subprocess.TimeoutExpired):
+        _run_bounded([sys.executable, "-c", code, str(tmp_path)], dict(os.environ), timeout_s=3)
+    assert leftovers(tmp_path, grace_s=5) == []
