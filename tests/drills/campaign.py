@@ -262,6 +262,7 @@ def run_campaign(
 ) -> list[Outcome]:
     """Drills ``seed .. seed + n - 1``, one after the other; each outcome is logged as it ends and the results file
     is rewritten after every drill (a campaign cut short still leaves what ran)."""
+    root.mkdir(parents=True, exist_ok=True)
     references = References(root, steps)
     outcomes: list[Outcome] = []
     start = time.perf_counter()
