@@ -26,6 +26,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -286,8 +287,20 @@ def _run_logged(
     return outcome
 
 
+def _commit() -> str | None:
+    """The checkout's commit: a drill's seed replays its drill on the code that drew it."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
 def _write_results(path: Path, seed: int, n: int, steps: int, outcomes: list[Outcome], elapsed_s: float) -> None:
     results = {
+        "commit": _commit(),
         "seed": seed,
         "n": n,
         "steps": steps,
@@ -327,8 +340,9 @@ def table(campaigns: list[dict[str, Any]]) -> str:
     for c in campaigns:
         ran = len(c["drills"])
         short = f" (of {c['n']} planned, cut short by the time available)" if ran < c["n"] else ""
+        at = f" at commit {c['commit']}" if c.get("commit") else ""
         lines.append(
-            f"- `{c['command']}`: {ran} drills{short}, seeds {c['seed']} to {c['seed'] + ran - 1}, {c['steps']} "
+            f"- `{c['command']}`{at}: {ran} drills{short}, seeds {c['seed']} to {c['seed'] + ran - 1}, {c['steps']} "
             f"steps each, {c['elapsed_s'] / 60:.0f} min on {c['machine']}, {c['date']}"
         )
     lines += ["", *rows]
