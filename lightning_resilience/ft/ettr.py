@@ -7,7 +7,8 @@ boundaries; every write is atomic, so the file a restart reads is always whole. 
 * **restart gap**: last heartbeat of an attempt to the first step of the next (detection, teardown, relaunch,
   re-rendezvous, restore; a requeue's queue wait too). The part the faulty rank spent being detected (a hang's
   stuck time) is reported separately as **detection**;
-* **recomputation**: steps redone after a resume (last step reached minus the step resumed from) x the step time;
+* **recomputation**: steps redone after a resume (last step reached minus the step resumed from), and steps undone
+  by in-process rollbacks, x the step time;
 * **checkpoint blocking**: what the checkpoint engine reports as blocking the training loop;
 * **ETTR** = productive time / wall time, productive = training - recomputation - checkpoint blocking.
 """
@@ -65,6 +66,8 @@ class AttemptRecord:
     """[wall-clock seconds, step] at each ledger write: the attempt's pace, thinned to a few hundred points."""
     persists: list[list[Any]] = field(default_factory=list)
     """[wall-clock seconds, step, tier] when a persistent tier committed a newer step (first seen at a heartbeat)."""
+    rolled_back_steps: int = 0
+    """Steps undone by in-process rollbacks in this attempt (trained, then trained again)."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> AttemptRecord:
@@ -79,7 +82,8 @@ class AttemptRecord:
 
     @property
     def step_s(self) -> float | None:
-        return self.training_s / self.steps if self.steps else None
+        done = self.steps + self.rolled_back_steps  # the steps an in-process rollback undid were trained too
+        return self.training_s / done if done else None
 
 
 @dataclass(frozen=True)
@@ -222,6 +226,11 @@ class EttrLedger:
             return True
         return False
 
+    def note_rollback(self, steps_lost: int) -> None:
+        """An in-process rollback undid ``steps_lost`` steps of this attempt: they count as recomputation."""
+        self._require().rolled_back_steps += steps_lost
+        self.save()
+
     def end_attempt(self, reason: str, note: FaultNote | None = None) -> None:
         record = self._require()
         record.ended_at = self._wall_clock()
@@ -283,6 +292,9 @@ def account(attempts: list[AttemptRecord]) -> EttrReport:
             steps = prev.last_step - cur.start_step
             redone += steps
             recompute += steps * (prev.step_s or cur.step_s or 0.0)
+    for a in attempts:  # steps undone in the process by in-process rollbacks
+        redone += a.rolled_back_steps
+        recompute += a.rolled_back_steps * (a.step_s or 0.0)
     productive = max(training - recompute - blocking, 0.0)
     return EttrReport(
         wall_s=wall,

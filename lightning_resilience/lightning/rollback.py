@@ -85,6 +85,9 @@ class InProcessRollback:
         )
         self.governor.record(record)
         self._write_record(suite, trainer, record)
+        ledger = suite.fault_tolerance.ledger if suite.fault_tolerance is not None else None
+        if ledger is not None:  # rank 0's ETTR ledger: the undone steps are recomputation
+            ledger.note_rollback(record.steps_lost)
         log_host_metrics(trainer, {"resilience/rollback/count": len(self.governor.records),
                                    "resilience/rollback/seconds": record.seconds})  # fmt: skip
         if plan.escalate:

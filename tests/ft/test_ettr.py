@@ -129,3 +129,19 @@ def test_current_attempt_reads_the_launcher_environment(monkeypatch: pytest.Monk
     assert (a.launcher, a.restart_count, a.job_id, a.rank) == ("torchrun", 2, "r1", 1)
     monkeypatch.setenv("FT_RANK_MONITOR_IPC_SOCKET", "/tmp/x.socket")
     assert current_attempt().launcher == "ft_launcher"
+
+
+def test_in_process_rollbacks_count_as_recomputation_of_their_attempt(tmp_path: Path) -> None:
+    clock = WallClock()
+    ledger = _attempt(tmp_path, clock, 0)
+    _run_steps(ledger, clock, 0, 8, step_s=1.0, blocking=0.0)
+    ledger.note_rollback(2)  # at step 8, back to step 6: steps 7 and 8 are trained again
+    for step in range(7, 13):
+        clock.now += 1.0
+        ledger.heartbeat(step)
+    ledger.end_attempt("finished")
+    [record] = EttrLedger(tmp_path).attempts  # survives in the file
+    assert record.rolled_back_steps == 2 and record.steps == 12 and record.step_s == pytest.approx(1.0)
+    r = ledger.report()
+    assert r.recomputed_steps == 2 and r.recompute_s == pytest.approx(2.0)
+    assert r.productive_s == pytest.approx(r.training_s - 2.0)
