@@ -178,6 +178,11 @@ class Fault(Callback):
         needs a committed step (to damage, to delete, to be killed restoring) settles first, so a slow disk on a
         loaded machine cannot leave it nothing to hit."""
 
+    @property
+    def _persist_step(self) -> int:
+        """The persist step a ``sigkill-persist`` or ``enospc`` fault hits."""
+        return self.step if self.kind == "sigkill-persist" else self.step // PERSIST_EVERY * PERSIST_EVERY
+
     def _record(self, **fields: Any) -> None:
         record_fault(self.run_dir, kind=self.kind, rank=self.rank, step=self.step, **fields)
 
@@ -191,6 +196,10 @@ class Fault(Callback):
             self._kill()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if self.kind in ("sigkill-persist", "enospc") and trainer.global_step == self._persist_step - 1:
+            # every rank, the step before the persist the fault hits: a persist that finds the previous one still
+            # being written (a loaded machine) is deferred to a later step, and the fault would wait for nothing
+            self.settle()
         if trainer.global_rank != self.rank or trainer.global_step != self.step:
             return
         if self.kind == "sigterm-rank":
@@ -207,8 +216,8 @@ class Fault(Callback):
             # the persist runs on the engine's thread: wait until it is half-way through the shard (or has failed)
             if self.kind in ("sigkill-persist", "enospc") and not self.in_flight.wait(START_LIMIT_S):
                 raise RuntimeError(f"the persist before step {self.step} never started; cannot fault during it")
-            damaged = {"enospc": self.step // PERSIST_EVERY * PERSIST_EVERY, "sigkill-persist": self.step}
-            self._record(damaged=damaged.get(self.kind))
+            hit = self.kind in ("sigkill-persist", "enospc")
+            self._record(damaged=self._persist_step if hit else None)
             self._kill()
         elif self.kind in ("corrupt-shard", "truncate-shard", "node-loss", "s3-outage"):
             mine = sorted(s for s, ranks in committed_in(self.run_dir / "ckpt").items() if self.rank in ranks)

@@ -178,12 +178,12 @@ def arm_collective_hang(args: argparse.Namespace) -> None:
 def arm(args: argparse.Namespace, extra: list[Callback], callbacks: list[Callback]) -> None:
     """The faults that reach inside the library's tiers and side groups, on the rank they hit."""
     rank, attempt = int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if rank != args.fault_rank or args.launch != args.fault_launch:
-        return
     fault = next((f for f in extra if isinstance(f, Fault)), None)
-    if fault is not None:
+    if fault is not None:  # every rank settles: whether a persist is deferred is agreed across ranks
         tiered = next(c for c in callbacks if isinstance(c, TieredCheckpoint))
         fault.settle = lambda: tiered.manager is not None and tiered.manager.wait(SETTLE_LIMIT)
+    if rank != args.fault_rank or args.launch != args.fault_launch:
+        return
     if fault is not None and fault.kind == "sigkill-persist":
         arm_persist_stall(fault, callbacks)
     elif fault is not None and fault.kind == "enospc":
