@@ -180,7 +180,7 @@ class Fault(Callback):
 
     @property
     def _persist_step(self) -> int:
-        """The persist step a ``sigkill-persist`` or ``enospc`` fault hits."""
+        """The persist step a ``sigkill-persist``, ``enospc`` or ``s3-outage`` fault hits."""
         return self.step if self.kind == "sigkill-persist" else self.step // PERSIST_EVERY * PERSIST_EVERY
 
     def _record(self, **fields: Any) -> None:
@@ -196,7 +196,7 @@ class Fault(Callback):
             self._kill()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if self.kind in ("sigkill-persist", "enospc") and trainer.global_step == self._persist_step - 1:
+        if self.kind in ("sigkill-persist", "enospc", "s3-outage") and trainer.global_step == self._persist_step - 1:
             # every rank, the step before the persist the fault hits: a persist that finds the previous one still
             # being written (a loaded machine) is deferred to a later step, and the fault would wait for nothing
             self.settle()
