@@ -54,7 +54,7 @@ class InProcessRollback:
         start = time.perf_counter()
         group = suite.side_group()
         mine = [v for v in decision.verdicts if suite.action_for(v.event) is Action.ROLLBACK_IN_PROCESS]
-        local = min((v.bad_step if v.bad_step is not None else v.step for v in mine), default=_NONE)
+        local = min((_bad_step(v) for v in mine), default=_NONE)
         bad = group.reduce_min(local, op="rollback_bad_step", step=trainer.global_step)
         bad = min(bad, trainer.global_step - 1)  # at the latest, the batch that just ran
         checkpoint = suite.checkpoint
@@ -67,7 +67,9 @@ class InProcessRollback:
             return self._stop_unrestored(suite, trainer, decision, plan)
         restored = manager.restore(plan.target, memory_only=True)  # collective; raises if not loadable everywhere
         assert restored is not None
-        skip_ahead = bad - plan.target if self.config.skip_batch and not plan.escalate else None
+        # a device fault (SDC mismatch) is not the data's doing: its batch is trained on again
+        skip = self.config.skip_batch and not plan.escalate and decision.event is not Event.SDC_MISMATCH
+        skip_ahead = bad - plan.target if skip else None
         skipped = checkpoint.rollback_to(trainer, restored, skip_ahead)
         if suite.sdc is not None and suite.sdc.monitor is not None:
             suite.sdc.monitor.rolled_back(plan.target)
@@ -144,6 +146,15 @@ def _by_rank(gathered: list[Any]) -> dict[str, list[int]]:
         if found:
             out[str(rank)] = flat
     return out
+
+
+def _bad_step(verdict: Verdict) -> int:
+    """The newest state the verdict allows to restore: its bad step (else its step); for an SDC mismatch at most the
+    newest verified step (a reconciliation at a cadence finds corruption that may be older than the last step)."""
+    bad = verdict.bad_step if verdict.bad_step is not None else verdict.step
+    if verdict.event is Event.SDC_MISMATCH:
+        bad = min(bad, verdict.verified_step if verdict.verified_step is not None else 0)
+    return bad
 
 
 def _escalation_code(event: Event) -> ExitCode:

@@ -158,3 +158,13 @@ def test_the_report_of_a_run_directory_lists_every_rollback_of_its_quarantine_fi
         rows[0] == "step 7 (nonfinite, bad step 5): restored step 5 in 4.00 ms, 2 step(s) lost, 4 sample(s) quarantined"
     )
     assert rows[1].endswith("escalated, job stopped")
+
+
+def test_the_state_a_verdict_allows_to_restore() -> None:
+    from lightning_resilience.lightning.rollback import _bad_step
+
+    assert _bad_step(Verdict(Event.NONFINITE, 9, 0, "nan", bad_step=7)) == 7
+    assert _bad_step(Verdict(Event.SPIKE, 9, 0, "spike")) == 9  # a detector that names no bad step: its own step
+    # a corrupt update found by a reconciliation: at most the newest verified step (none: the start)
+    assert _bad_step(Verdict(Event.SDC_MISMATCH, 9, 0, "diverged", verified_step=5)) == 5
+    assert _bad_step(Verdict(Event.SDC_MISMATCH, 9, 0, "diverged")) == 0
