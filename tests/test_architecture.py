@@ -13,7 +13,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_resilience"
 MAX_LINES = 450
-ENGINES = {"checkpoint", "straggler", "sdc", "ft", "sim"}
+ENGINES = {"checkpoint", "straggler", "sdc", "ft", "sim", "rollback"}
 FRAMEWORK_FREE = ENGINES | {"collective", "policy", "exit_codes", "launch", "report"}
 """Parts that never import Lightning, not even inside a function: only ``lightning/`` and ``integrations/`` do."""
 ABOVE_ENGINES = {"lightning", "integrations", "cli", "config", "launch", "report", "testing"}
