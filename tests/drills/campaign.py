@@ -241,7 +241,9 @@ def run_one(seed: int, references: References, root: Path, faults: tuple[str, ..
     start = time.perf_counter()
     try:
         result = run_drill(drill, run_dir, env=references.env(drill))
-    except Exception as err:  # a launch that failed (AssertionError) or ran past its bound (TimeoutExpired)
+    except subprocess.TimeoutExpired as err:
+        outcome.problems.append(f"the job did not finish: a launch ran past its bound of {err.timeout} s")
+    except Exception as err:  # a launch that failed (AssertionError with the logs)
         outcome.problems.append(f"the job did not finish: {type(err).__name__}: {str(err)[-3000:]}")
     else:
         check(result, reference, outcome)
@@ -348,9 +350,11 @@ def table(campaigns: list[dict[str, Any]]) -> str:
     lines += ["", *rows]
     if failed:
         lines += ["", "Failed drills (replay with the command given):", ""]
-        for d in failed:
-            lines.append(f"- `{replay_command(d['seed'], d.get('faults', ''))}` ({d['fault']}): "
-                         f"{'; '.join(d['problems'])[:400]}")  # fmt: skip
+        for c in campaigns:
+            checkout = f"git checkout {c['commit']} && " if c.get("commit") else ""
+            for d in (d for d in c["drills"] if d["problems"]):
+                what = "; ".join(problem[:240] for problem in d["problems"])
+                lines.append(f"- `{checkout}{replay_command(d['seed'], d.get('faults', ''))}` ({d['fault']}): {what}")
     lines.append(END)
     return "\n".join(lines)
 
