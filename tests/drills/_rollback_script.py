@@ -18,9 +18,8 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_resilience import DecidedExit
-from tests.drills._user_code import AugmentedPoints, Regressor, drill_callbacks, parse, save_weights
-from tests.drills._user_script import _restored, default_preset_callbacks
+from tests.drills._user_code import AugmentedPoints, Regressor, drill_callbacks, parse
+from tests.drills._user_script import _restored, default_preset_callbacks, exit_with, fit_and_save
 
 BATCH = 8
 
@@ -83,16 +82,8 @@ def main(argv: list[str]) -> int:
         enable_model_summary=False,
         default_root_dir=str(args.run_dir),
     )
-    try:
-        trainer.fit(model, loader)
-    except DecidedExit as decided:
-        return int(decided.exit_code)
-    save_weights(trainer, model, args)
-    return 0
+    return fit_and_save(trainer, model, loader, args)
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    sys.exit(code)
+    exit_with(main(sys.argv[1:]))

@@ -23,6 +23,7 @@ import sys
 import threading
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -229,6 +230,11 @@ def main(argv: list[str]) -> int:
         enable_model_summary=False,
         default_root_dir=str(args.run_dir),
     )
+    return fit_and_save(trainer, model, loader, args)
+
+
+def fit_and_save(trainer: Trainer, model: torch.nn.Module, loader: DataLoader[Any], args: argparse.Namespace) -> int:
+    """Train; the final weights are saved unless the suite decided to stop (then its exit code is returned)."""
     try:
         trainer.fit(model, loader)
     except DecidedExit as decided:  # a decided stop: the process group goes first, then the exit
@@ -237,9 +243,13 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    code = main(sys.argv[1:])
+def exit_with(code: int) -> NoReturn:
+    """End the drill process with ``code`` after an explicit teardown of the process group: left to interpreter
+    exit, gloo's threads can abort the process (SIGABRT)."""
     if torch.distributed.is_initialized():
-        # an explicit teardown: left to interpreter exit, gloo's threads can abort the process (SIGABRT)
         torch.distributed.destroy_process_group()
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    exit_with(main(sys.argv[1:]))
