@@ -45,6 +45,10 @@ class FaultToleranceConfig:
     """Calibrated timeout = safety_factor x longest observed duration, clamped to [min_timeout_s, max_timeout_s]."""
     warmup_steps: int = 5
     """Observations of 'step' and 'out_of_section' before their timeouts are calibrated (other sections: 1)."""
+    provisional_factor: float = 2.0
+    """Between a section's first observation and its warm-up, its timeout is provisional_factor x the calibrated
+    rule (safety_factor x longest so far), clamped to [min_timeout_s, its initial timeout]: a hang at step 2 is
+    found in about a minute instead of the initial 10. 0: the initial timeouts hold until warm-up."""
     min_timeout_s: float = 60.0
     """Lower bound of a calibrated timeout: a loaded machine can slow a step far beyond its warm-up duration."""
     max_timeout_s: float = 3600.0
@@ -79,6 +83,9 @@ class FaultToleranceConfig:
             raise ConfigError("ft", "safety_factor", f"must be a finite number >= 1, got {self.safety_factor}")
         if self.warmup_steps < 1:
             raise ConfigError("ft", "warmup_steps", f"must be >= 1, got {self.warmup_steps}")
+        factor = self.provisional_factor
+        if not (math.isfinite(factor) and (factor == 0 or factor >= 1)):
+            raise ConfigError("ft", "provisional_factor", f"must be 0 (off) or a finite number >= 1, got {factor}")
         if not self.min_timeout_s > 0:
             raise ConfigError("ft", "min_timeout_s", f"must be > 0, got {self.min_timeout_s}")
         if not self.max_timeout_s >= self.min_timeout_s:

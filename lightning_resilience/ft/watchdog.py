@@ -35,13 +35,17 @@ class _Timing:
     samples: int = 0
     longest_s: float = 0.0
     timeout_s: float | None = None  # None until calibrated
+    provisional_s: float | None = None  # after a first observation, until calibrated
 
 
 class TimeoutCalibrator:
     """Per-section timeouts: initial values until warmed up, then ``safety_factor`` x the longest observation.
 
     A calibrated timeout only grows during a run (a longer legitimate section raises it) and is clamped to
-    ``[min_s, max_s]``. A hung section never ends, so it never raises its own timeout.
+    ``[min_s, max_s]``. A hung section never ends, so it never raises its own timeout. Between a section's first
+    observation and its warm-up, a provisional timeout of ``provisional_factor`` x the calibrated rule holds (never
+    above the initial value): the first step carries compilation and allocator warm-up, so a step after it that runs
+    ten times longer than any seen is a hang, not a slow start.
 
     Args:
         initial: timeout per section before calibration.
@@ -51,6 +55,7 @@ class TimeoutCalibrator:
         max_s: upper bound of a calibrated timeout.
         enabled: False keeps the initial timeouts for good.
         sections: the sections to calibrate (None: all); the others keep their initial timeouts.
+        provisional_factor: multiplier on the calibrated rule before warm-up (0: the initial timeout until then).
     """
 
     def __init__(
@@ -63,8 +68,10 @@ class TimeoutCalibrator:
         max_s: float = 3600.0,
         enabled: bool = True,
         sections: Collection[str] | None = None,
+        provisional_factor: float = 0.0,
     ) -> None:
         self.initial = dict(initial)
+        self.provisional_factor = provisional_factor
         self.sections = None if sections is None else set(sections)
         self.safety_factor = safety_factor
         self.warmup = dict(warmup or {})
@@ -77,20 +84,35 @@ class TimeoutCalibrator:
         timing = self._timings.get(section)
         if timing is not None and timing.timeout_s is not None:
             return timing.timeout_s
+        if timing is not None and timing.provisional_s is not None:
+            return timing.provisional_s
         return self.initial.get(section, math.inf)
 
     def calibrated(self, section: str) -> bool:
         timing = self._timings.get(section)
         return timing is not None and timing.timeout_s is not None
 
+    def basis(self, section: str) -> str:
+        """Where ``section``'s timeout comes from: 'calibrated', 'provisional' or 'initial'."""
+        timing = self._timings.get(section)
+        if timing is not None and timing.timeout_s is not None:
+            return "calibrated"
+        return "provisional" if timing is not None and timing.provisional_s is not None else "initial"
+
     def observe(self, section: str, seconds: float) -> None:
         """Record one completed ``section`` of ``seconds``."""
         timing = self._timings.setdefault(section, _Timing())
         timing.samples += 1
         timing.longest_s = max(timing.longest_s, seconds)
-        if self._calibrates(section) and timing.samples >= self.warmup.get(section, 1):
+        if not self._calibrates(section):
+            return
+        if timing.samples >= self.warmup.get(section, 1):
             proposed = min(max(self.safety_factor * timing.longest_s, self.min_s), self.max_s)
             timing.timeout_s = max(timing.timeout_s or 0.0, proposed)
+        elif self.provisional_factor > 0:
+            early = max(self.provisional_factor * self.safety_factor * timing.longest_s, self.min_s)
+            early = min(early, self.max_s, self.initial.get(section, math.inf))
+            timing.provisional_s = max(timing.provisional_s or 0.0, early)
 
     def _calibrates(self, section: str) -> bool:
         return self.enabled and (self.sections is None or section in self.sections)
@@ -105,7 +127,8 @@ class TimeoutCalibrator:
         """Adopt timings of an earlier attempt: a restart starts calibrated (never below what it saw already)."""
         for name, saved in state.items():
             calibrated = saved.get("timeout_s") if self._calibrates(name) else None
-            loaded = _Timing(int(saved["samples"]), float(saved["longest_s"]), calibrated)
+            provisional = saved.get("provisional_s") if self._calibrates(name) else None
+            loaded = _Timing(int(saved["samples"]), float(saved["longest_s"]), calibrated, provisional)
             mine = self._timings.get(name)
             if mine is None:
                 self._timings[name] = loaded
@@ -114,6 +137,8 @@ class TimeoutCalibrator:
             mine.longest_s = max(mine.longest_s, loaded.longest_s)
             if loaded.timeout_s is not None:
                 mine.timeout_s = max(mine.timeout_s or 0.0, loaded.timeout_s)
+            if loaded.provisional_s is not None:
+                mine.provisional_s = max(mine.provisional_s or 0.0, loaded.provisional_s)
 
 
 @dataclass(frozen=True)
@@ -125,6 +150,8 @@ class Hang:
     stuck_for_s: float
     timeout_s: float
     calibrated: bool
+    basis: str = ""
+    """'calibrated', 'provisional' or 'initial' (see :meth:`TimeoutCalibrator.basis`)."""
 
 
 class Watchdog:
@@ -201,7 +228,8 @@ class Watchdog:
         timeout = self.calibrator.timeout(section)
         stuck = self._clock() - since
         if stuck > timeout:
-            return Hang(section, step, stuck, timeout, self.calibrator.calibrated(section))
+            cal = self.calibrator
+            return Hang(section, step, stuck, timeout, cal.calibrated(section), cal.basis(section))
         return None
 
     def _time_left(self) -> float:
@@ -305,7 +333,7 @@ class HangHandler:
             detection_s=hang.stuck_for_s,
             timeout_s=hang.timeout_s,
             message=f"section {hang.section!r} open for {hang.stuck_for_s:.1f}s > timeout {hang.timeout_s:.1f}s"
-            f" ({'calibrated' if hang.calibrated else 'initial'})",
+            f" ({hang.basis or ('calibrated' if hang.calibrated else 'initial')})",
             stacks=str(stacks) if stacks else None,
         )
         log.critical(

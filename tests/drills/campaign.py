@@ -50,10 +50,11 @@ BEGIN, END = "<!-- drill-campaign:begin -->", "<!-- drill-campaign:end -->"
 RESTART_S = 120.0
 """Time a restart of the job may take on a loaded 2-core machine: torchrun's restart, imports, rendezvous, restore."""
 HANG_DETECTION_S = 60.0
-"""The watchdog's deadline for a hang once its timeouts are calibrated (``ft.min_timeout_s`` of the default preset)."""
-WATCHDOG_WARMUP = 5
-"""``ft.warmup_steps`` of the default preset: before it, a hang waits for the initial timeouts (the policy's side
-group 300 s, the watchdog 600 s), longer than a drill's launch bound, so the campaign draws hangs after it."""
+"""The watchdog's deadline for a hang after the first step (``ft.min_timeout_s`` of the default preset)."""
+FIRST_HANG_STEP = 2
+"""A hang is drawn from step 2: once the first step (compilation, allocator warm-up) has been timed, the watchdog's
+provisional timeout (``ft.provisional_factor``) bounds it by ``ft.min_timeout_s`` on quick steps. A hang in the very
+first step waits for the initial timeouts (``ft.initial_timeouts_s``), as a first step may legitimately compile."""
 DEADLINE_S = {kind: RESTART_S for kind in FAULTS} | {
     "hang-collective": HANG_DETECTION_S + RESTART_S,
     "sigkill-restore": 2 * RESTART_S,  # two restarts: the second fault hits the first restart's restore
@@ -74,8 +75,8 @@ def draw(seed: int, steps: int = STEPS, faults: tuple[str, ...] = FAULTS[1:]) ->
         step = rng.choice(persist_steps) + rng.randint(2, PERSIST_EVERY - 2)
     elif fault == "sigkill-peer-send":  # the tiered preset's peer tier replicates every 5 steps
         step = rng.choice(range(PEER_EVERY, steps, PEER_EVERY))
-    elif fault == "hang-collective":  # once the watchdog has calibrated its timeouts (see WATCHDOG_WARMUP)
-        step = rng.randint(WATCHDOG_WARMUP + 1, steps - 3)
+    elif fault == "hang-collective":  # once the first step is timed (see FIRST_HANG_STEP)
+        step = rng.randint(FIRST_HANG_STEP, steps - 3)
     elif fault.startswith("sigterm"):  # a stop is agreed on a step or two after the signal: leave room
         step = rng.randint(2, steps - 10)
     elif fault in ("sigkill-restore", "corrupt-shard", "truncate-shard"):  # something committed to restore or damage

@@ -1,6 +1,6 @@
 """The bounded CI subset of the fault campaign (``make drills`` runs the rest; docs/reliability.md has its table).
 
-``CAMPAIGN_CI_N`` drills (default 5) of ``tests/drills/campaign.py``, drawn from a seed that rotates with the date
+``CAMPAIGN_CI_N`` drills (default 10) of ``tests/drills/campaign.py``, drawn from a seed that rotates with the date
 (``DRILL_SEED`` overrides it), each a real torchrun job of the user's path with one random fault, checked bitwise
 and for lost steps, corrupt loads, deadlines and leftover processes. One uninterrupted reference run per loader
 configuration serves every drill. A failure names the command that replays it: ``make drills N=1 SEED=<seed>``.
@@ -22,7 +22,7 @@ from tests.drills._harness import Drill, DrillResult, _run_bounded
 from tests.drills.campaign import DOCS, FAULTS, Outcome, References, check, draw, leftovers, rendered, run_one
 
 SEED = int(os.environ.get("DRILL_SEED", time.strftime("%Y%m%d", time.gmtime())))
-N = int(os.environ.get("CAMPAIGN_CI_N", "5"))
+N = int(os.environ.get("CAMPAIGN_CI_N", "10"))
 
 
 @pytest.fixture(scope="module")

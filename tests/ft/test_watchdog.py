@@ -49,6 +49,44 @@ def test_initial_timeouts_until_warmed_up_then_safety_factor_times_longest() -> 
     assert cal.timeout("unknown") == math.inf
 
 
+def test_a_first_observation_sets_a_provisional_timeout_until_warmed_up() -> None:
+    cal = _calibrator(provisional_factor=2.0, initial={"step": 50.0, "out_of_section": 12.0})
+    assert cal.basis("step") == "initial" and cal.timeout("step") == 50.0
+    cal.observe("step", 1.0)  # the first step (compilation)
+    assert cal.basis("step") == "provisional" and cal.timeout("step") == pytest.approx(8.0)  # 2 x 4 x 1.0
+    cal.observe("step", 0.5)
+    assert cal.timeout("step") == pytest.approx(8.0)  # only grows
+    cal.observe("out_of_section", 5.0)
+    assert cal.timeout("out_of_section") == 12.0  # never above the initial timeout
+    cal.observe("step", 0.5)
+    assert cal.basis("step") == "calibrated" and cal.timeout("step") == pytest.approx(4.0)
+    restarted = _calibrator(provisional_factor=2.0, initial={"step": 50.0, "out_of_section": 12.0})
+    restarted.load_state_dict(cal.state_dict())
+    assert restarted.basis("out_of_section") == "provisional" and restarted.timeout("out_of_section") == 12.0
+    off = _calibrator()  # provisional_factor 0: the initial timeout until warm-up
+    off.observe("step", 1.0)
+    assert off.basis("step") == "initial" and off.timeout("step") == 50.0
+
+
+def test_a_hang_at_step_two_is_found_at_the_provisional_deadline() -> None:
+    clock = FakeClock()
+    hangs: list[Hang] = []
+    fired = threading.Event()
+    cal = _calibrator(provisional_factor=2.0, min_s=5.0)
+    dog = Watchdog(cal, lambda h: (hangs.append(h), fired.set()), clock=clock)
+    dog.start()
+    try:
+        dog.switch("step", step=1)
+        clock.advance(0.5)
+        dog.switch("step", step=2)  # step 1 took 0.5 s: provisional max(2 x 4 x 0.5, 5) = 5 s, not the initial 50
+        clock.advance(5.5)
+        dog.poke()
+        assert fired.wait(WAIT_S)
+    finally:
+        dog.stop()
+    assert [(h.section, h.step, h.basis, h.timeout_s) for h in hangs] == [("step", 2, "provisional", 5.0)]
+
+
 def test_calibrated_timeouts_are_clamped_and_only_grow() -> None:
     cal = _calibrator()
     for _ in range(3):
@@ -107,7 +145,7 @@ def test_hang_in_a_section_is_reported_once_with_section_step_and_duration() -> 
         clock.advance(2.0)
         wd.poke()
         assert rec.event.wait(WAIT_S)
-        assert rec.hangs == [Hang("setup", 0, 101.0, 100.0, calibrated=False)]
+        assert rec.hangs == [Hang("setup", 0, 101.0, 100.0, calibrated=False, basis="initial")]
     finally:
         wd.stop(timedelta(seconds=WAIT_S))
 
@@ -207,6 +245,7 @@ def test_dump_stacks_creates_the_directory(tmp_path: Path) -> None:
     [
         ({"safety_factor": 0.5}, "ft.safety_factor"),
         ({"warmup_steps": 0}, "ft.warmup_steps"),
+        ({"provisional_factor": 0.5}, "ft.provisional_factor"),
         ({"min_timeout_s": 10.0, "max_timeout_s": 5.0}, "ft.max_timeout_s"),
         ({"initial_timeouts_s": {"stp": 1.0}}, "ft.initial_timeouts_s"),
         ({"initial_timeouts_s": {"step": -1.0}}, "ft.initial_timeouts_s.step"),

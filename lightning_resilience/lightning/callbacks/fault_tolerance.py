@@ -106,6 +106,7 @@ class FaultTolerance(Callback):
             max_s=c.max_timeout_s,
             enabled=c.calibrate,
             sections=c.calibrated_sections,
+            provisional_factor=c.provisional_factor,
         )
 
     @property
@@ -403,12 +404,14 @@ class FaultTolerance(Callback):
             "attempts": [a.__dict__ for a in self.ledger.attempts] if self.ledger else None,
         }
 
+    def _basis_note(self, section: str) -> str:
+        return "" if self.calibrator.calibrated(section) else f" ({self.calibrator.basis(section)})"
+
     def summary(self) -> str:
         """A short human-readable account: timeouts, restarts and their causes, and where the time went."""
         t = self.calibrator.timeouts()
         lines = [
-            "fault tolerance: timeouts "
-            + ", ".join(f"{s} {v:.0f}s{'' if self.calibrator.calibrated(s) else ' (initial)'}" for s, v in t.items()),
+            "fault tolerance: timeouts " + ", ".join(f"{s} {v:.0f}s{self._basis_note(s)}" for s, v in t.items()),
             f"  {self.monitor_reason or 'NVRx rank monitor: not set up'}",
         ]
         if self.preempted_at is not None:
