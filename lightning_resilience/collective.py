@@ -180,13 +180,29 @@ class SideGroup:
 
     # ------------------------------------------------------------------ agreements
     def all_gather_object(
-        self, obj: Any, *, op: str, step: int | None = None, deadline: Deadline | None = None
+        self,
+        obj: Any,
+        *,
+        op: str,
+        step: int | None = None,
+        deadline: Deadline | None = None,
+        any_type: bool = False,
     ) -> list[Any]:
         """Every rank's ``obj``, in rank order: built-in values and containers, and dataclasses and enums of this
-        package (nothing else is unpickled; tensors go through :meth:`all_gather_tensor`)."""
+        package (nothing else is unpickled; tensors go through :meth:`all_gather_tensor`). ``any_type``: any
+        picklable object, tensors included (a training batch of the user's own types and RNG states, which the
+        ranks of one job exchange to replay each other's steps), through ``torch.distributed.all_gather_object``;
+        its wait is bounded by the group's timeout, which a ``deadline`` cannot shorten (none may be given)."""
+        if any_type and deadline is not None:
+            raise ValueError(f"side group {self.name!r}: {op}: an any_type gather takes no deadline")
         if not self._enter(op, step):
             return [obj]
         timeout = self._bound(op, deadline)
+        if any_type:
+            gathered: list[Any] = [None] * self.world_size
+            with self._guard(op, timeout):
+                dist.all_gather_object(gathered, obj, group=self._group)
+            return gathered
         data = pickle.dumps(obj)
         with self._guard(op, timeout):
             size = torch.tensor([len(data)], dtype=torch.int64)
@@ -229,14 +245,25 @@ class SideGroup:
         """The smallest ``value`` of all ranks."""
         return int(self._reduce(int(value), dist.ReduceOp.MIN, op, step, deadline))
 
+    def reduce_max_each(
+        self, values: Sequence[int], *, op: str, step: int | None = None, deadline: Deadline | None = None
+    ) -> list[int]:
+        """The largest of all ranks' ``values[i]`` for each ``i`` (same length on every rank), in one all-reduce."""
+        return self._reduce_all(list(values), dist.ReduceOp.MAX, op, step, deadline)
+
     def _reduce(self, value: int, how: Any, op: str, step: int | None, deadline: Deadline | None) -> int:
+        return self._reduce_all([int(value)], how, op, step, deadline)[0]
+
+    def _reduce_all(
+        self, values: list[int], how: Any, op: str, step: int | None, deadline: Deadline | None
+    ) -> list[int]:
         if not self._enter(op, step):
-            return value
+            return values
         timeout = self._bound(op, deadline)
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor(values, dtype=torch.int64)
         with self._guard(op, timeout):
             dist.all_reduce(t, op=how, group=self._group, async_op=True).wait(timeout)
-        return int(t.item())
+        return [int(v) for v in t.tolist()]
 
     # ------------------------------------------------------------------ point to point
     def exchange(

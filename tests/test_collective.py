@@ -3,6 +3,7 @@ peer is late, gone or on another path."""
 
 from __future__ import annotations
 
+import pickle
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -31,6 +32,8 @@ def _agreements(rank: int, world: int, tmp: Path) -> dict[str, Any]:
         "min": group.reduce_min(rank * 10 + 5, op="min"),
         "received": [None if g is None else g.decode() for g in got],
         "tensors": [t.tolist() for t in group.all_gather_tensor(dist_tensor(rank), op="tensor")],
+        "max_each": group.reduce_max_each([rank, -rank, 7], op="max_each"),
+        "any_type": [t.tolist() for t in group.all_gather_object(dist_tensor(rank), op="objects", any_type=True)],
     }
 
 
@@ -45,7 +48,8 @@ def test_agreements_on_three_ranks(tmp_path: Path) -> None:
     for rank, res in enumerate(results):
         assert res["gathered"] == [0, 1, 2] and res["sizes"] == [0, 1000, 2000]
         assert (res["all_true"], res["any_true"], res["max"], res["min"]) == (False, True, 20, 5)
-        assert res["tensors"] == [[0.0, 0.5], [1.0, 0.5], [2.0, 0.5]]
+        assert res["tensors"] == res["any_type"] == [[0.0, 0.5], [1.0, 0.5], [2.0, 0.5]]
+        assert res["max_each"] == [2, 0, 7]
         prev = (rank - 1) % 3
         assert res["received"] == [None if prev == 1 else f"from {prev}"]
 
@@ -65,6 +69,17 @@ def _one_rank_never_comes(rank: int, world: int, tmp: Path) -> dict[str, Any]:
         outcome["second"] = time.monotonic() - start
     dist.barrier()  # the default group: rank 1 stays alive until the others are done
     return outcome
+
+
+def _tensor_refused(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    group = SideGroup("test", timedelta(seconds=30))
+    with pytest.raises(pickle.UnpicklingError, match="may not carry"):  # an agreement unpickles plain values only
+        group.all_gather_object(dist_tensor(rank), op="objects")
+    return {}
+
+
+def test_an_agreement_refuses_objects_unless_asked_for_any_type(tmp_path: Path) -> None:
+    run_ranks(_tensor_refused, 2, tmp_path)
 
 
 def test_a_rank_that_never_arrives_is_a_timeout_error_within_the_deadline(tmp_path: Path) -> None:

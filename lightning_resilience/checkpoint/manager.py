@@ -83,6 +83,8 @@ class CheckpointManager:
         self._meta_providers: list[Callable[[int], dict[str, Any]]] = []
         self._warned: set[str] = set()
         self._closed = False
+        self._failure: BaseException | None = None
+        """A persist failure held for the next agreement, so that every rank stops at the same call."""
 
     # ------------------------------------------------------------------ setup
     def setup(self, group: Any = None) -> None:
@@ -141,8 +143,10 @@ class CheckpointManager:
 
         Raises:
             CollectiveError: a rank did not come to the persist agreement within ``checkpoint.collective_timeout_s``.
+            CheckpointWorkerError: a persist failed on some rank (an unexpected error, or an I/O error with
+                ``checkpoint.on_persist_error=raise``): raised on every rank at the next persist agreement.
         """
-        self.collect()
+        self._hold_failure(self.collect)
         memory_due = [t for t in self._memory if step % t.every_n_steps == 0]
         persist_due = list(
             dict.fromkeys([*self._deferred, *(t for t in self._persistent if step % t.every_n_steps == 0)])
@@ -155,7 +159,7 @@ class CheckpointManager:
         if persist_due:
             views = self._agree(persist_due, step)
             protect = committed_everywhere([v[1] for v in views], [t.name for t in persist_due])
-            if any(busy for busy, _ in views):  # every rank defers together, so every rank persists the same steps
+            if any(v[0] for v in views):  # every rank defers together, so every rank persists the same steps
                 for tier in persist_due:
                     self.stats.tiers[tier.name].deferred += 1
                 self._deferred = persist_due
@@ -193,11 +197,11 @@ class CheckpointManager:
         """
         if not self._persistent:
             return
-        idle = self.wait()
+        idle = self.wait(hold_failure=True)
         self._deferred = []
         views = self._agree(self._persistent, step, idle=idle)  # collective: before any rank-local early return
         tier_views = [v[1] for v in views]
-        everyone_idle = not any(busy for busy, _ in views)
+        everyone_idle = not any(v[0] for v in views)
 
         def wanted(tier: Tier) -> bool:
             if tier.collective:  # the same answer on every rank: all exchange, or none
@@ -266,16 +270,36 @@ class CheckpointManager:
         """
         return optimizer.register_step_pre_hook(lambda *_: self.order_snapshot())
 
+    def _hold_failure(self, call: Callable[[], Any]) -> Any:
+        """``call()``, keeping a worker failure it raises for the next agreement instead of raising it on this rank
+        alone (the others would wait in that agreement for ``checkpoint.collective_timeout_s``). None if it raised."""
+        try:
+            return call()
+        except Exception as err:
+            log.error("checkpoint: a persist failed on this rank (%s); every rank stops at the next agreement", err)
+            self._failure = self._failure or err
+            return None
+
     def _agree(
         self, tiers: list[Tier], step: int, *, idle: bool | None = None
-    ) -> list[tuple[bool, dict[str, list[int]]]]:
-        """Collectively: per rank, whether it is busy (its worker running), and its committed steps per tier."""
+    ) -> list[tuple[bool, dict[str, list[int]], bool]]:
+        """Collectively: per rank, whether it is busy (its worker running), its committed steps per tier, and
+        whether it holds a persist failure; a failure anywhere raises :class:`CheckpointWorkerError` on every rank."""
         busy = self._worker.busy if idle is None else not idle
-        local = (busy, {t.name: t.list_steps() for t in tiers})  # list_steps never waits on a network
-        return cast(
-            list[tuple[bool, dict[str, list[int]]]],
+        local = (busy, {t.name: t.list_steps() for t in tiers}, self._failure is not None)  # no network waits
+        views = cast(
+            list[tuple[bool, dict[str, list[int]], bool]],
             self._group.all_gather_object(local, op="checkpoint.agree", step=step),
         )
+        failed = [rank for rank, view in enumerate(views) if view[2]]
+        if failed:
+            cause, self._failure = self._failure, None
+            raise CheckpointWorkerError(
+                f"a checkpoint persist failed on rank(s) {failed}"
+                + (f" ({type(cause).__name__}: {cause})" if cause is not None else "")
+                + f"; every rank stops at the agreement of step {step}"
+            ) from cause
+        return views
 
     def _persist(self, slot: HostSnapshot, tiers: list[Tier], protect: dict[str, int | None]) -> list[_PersistResult]:
         """Runs on the worker thread: write the slot to each tier, then apply retention.
@@ -326,11 +350,17 @@ class CheckpointManager:
                         "(checkpoint.on_persist_error=raise)"
                     ) from res.error
 
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        """Wait (bounded) for the in-flight persist; True if the worker is idle."""
-        idle = self._worker.wait_idle(timeout or self.config.drain_timeout)
-        self.collect()
-        return idle
+    def wait(self, timeout: timedelta | None = None, *, hold_failure: bool = False) -> bool:
+        """Wait (bounded) for the in-flight persist; True if the worker is idle. A persist failure is raised here,
+        or with ``hold_failure`` (a caller about to enter an agreement) kept for the next persist agreement, which
+        raises it on every rank."""
+        if not hold_failure:
+            idle = self._worker.wait_idle(timeout or self.config.drain_timeout)
+            self.collect()
+            return idle
+        idle = self._hold_failure(lambda: self._worker.wait_idle(timeout or self.config.drain_timeout))
+        self._hold_failure(self.collect)
+        return idle is not False
 
     # ---------------------------------------------------------------- restore
     def restore(
@@ -356,9 +386,9 @@ class CheckpointManager:
         """
         self.wait_snapshot()
         # a persist in flight may still read snapshot buffers that a RAM restore hands to the training state
-        if not self._worker.wait_idle(self.config.drain_timeout):
+        # a failed persist does not stop a restore: the next persist agreement reports it on every rank
+        if not self.wait(self.config.drain_timeout, hold_failure=True):
             raise CheckpointWorkerError(f"persist still running after {self.config.drain_timeout}; cannot restore")
-        self.collect()
         tiers: list[Tier] = list(self._memory) if memory_only else self.tiers
         restore = CollectiveRestore(tiers, self._group, self.identity, self.config, self.stats, self._clock)
         return restore.run(step, max_step, rebuild_dtensor, in_process=memory_only)
@@ -374,3 +404,6 @@ class CheckpointManager:
         if not drained:
             log.error("checkpoint persist did not finish within %s; its step is not committed", timeout)
         self.collect()
+        if self._failure is not None:  # never reported at an agreement: rank-local from here on
+            cause, self._failure = self._failure, None
+            raise cause

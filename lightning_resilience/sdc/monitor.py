@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from lightning_resilience.collective import SideGroup
 from lightning_resilience.sdc.config import SDCConfig
 from lightning_resilience.sdc.fingerprint import make_digest
 from lightning_resilience.sdc.guards import GuardReader, GuardReport, Guards, grad_norm, param_norm
@@ -124,7 +124,8 @@ class SDCMonitor:
         self.rank, self.world_size = 0, 1
         self.hosts: list[str] = [socket.gethostname()]
         self._clock = clock
-        self._group: Any = None
+        self._group = SideGroup("sdc", self.config.timeout, local=True)
+        """The side group of every agreement (:mod:`lightning_resilience.collective`); a local one until setup."""
         self._hook: BucketFingerprintHook | None = None
         self._replayer: GradientReplayer | None = None
         self._synced_loss_fn: Callable[[Any], torch.Tensor] | None = None
@@ -150,12 +151,10 @@ class SDCMonitor:
     # ------------------------------------------------------------------ setup
     def setup(self, group: Any = None) -> None:
         """Find rank and world size; with several ranks create the side gloo group. Collective: all ranks call it."""
-        if dist.is_available() and dist.is_initialized():
-            self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-            if self.world_size > 1:
-                ranks = dist.get_process_group_ranks(group) if group is not None else None
-                self._group = dist.new_group(ranks=ranks, backend="gloo", timeout=self.config.timeout)
-                self.hosts = self._gather(socket.gethostname())
+        self._group = SideGroup("sdc", self.config.timeout, parent=group)
+        self.rank, self.world_size = self._group.rank, self._group.world_size
+        if self.world_size > 1:
+            self.hosts = self._gather(socket.gethostname())
 
     def attach(
         self,
@@ -224,9 +223,7 @@ class SDCMonitor:
         values = [int(fired), int(jumped), int(nonfinite)]
         values += [-min(nonfinite_at, default=-none), -min(spike_at, default=-none)]
         if self.world_size > 1:
-            t = torch.tensor(values, dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-            values = [int(v) for v in t.tolist()]
+            values = self._group.reduce_max_each(values, op="sdc.late_guards", step=self._step)
         first_nonfinite = -values[3] if values[3] != none else None
         first_spike = -values[4] if values[4] != none else None
         return bool(values[0]), bool(values[1]), bool(values[2]), first_nonfinite, first_spike
@@ -382,12 +379,10 @@ class SDCMonitor:
     def _gather(self, obj: Any) -> list[Any]:
         if self.world_size == 1:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._group)
-        return out
+        return self._group.all_gather_object(obj, op="sdc.gather", step=self._step, any_type=True)
 
     def _gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return [t for t in self._gather(tensor)]
+        return [t for t in self._gather(tensor)]  # shapes may differ between ranks (different state layouts)
 
     def _any(self, flag: bool) -> bool:
         return self._any_of(flag)[0]
@@ -396,9 +391,8 @@ class SDCMonitor:
         """Whether any rank raised each flag: one all-reduce of host values on the side gloo group."""
         if self.world_size == 1:
             return flags
-        t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-        return tuple(bool(v) for v in t.tolist())
+        values = self._group.reduce_max_each([int(f) for f in flags], op="sdc.any", step=self._step)
+        return tuple(bool(v) for v in values)
 
     # ------------------------------------------------------------------ state
     def reset(self, step: int = 0) -> None:
@@ -424,8 +418,8 @@ class SDCMonitor:
         self.verified_steps |= {int(s) for s in state.get("verified_steps", [])}
 
     def close(self) -> None:
-        """Release the side group's reference (the group itself is destroyed with the default group)."""
-        self._group = None
+        """Release the side group (its gloo group is destroyed with the default group)."""
+        self._group = SideGroup("sdc", self.config.timeout, local=True)
         with contextlib.suppress(Exception):
             if self._hook is not None:
                 self._hook.enabled = False

@@ -8,6 +8,7 @@ blocking CI.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from datetime import timedelta
@@ -199,6 +200,35 @@ def test_the_training_thread_never_waits_on_a_remote_listing(own_s3: S3Endpoint)
         assert mgr.steps()["remote"] == [2]
         mgr.close(timedelta(seconds=60))  # the upload of step 4 waits for the store in the background
     assert mgr.stats.tiers["remote"].failures == 1
+
+
+# ---------------------------------------------------------------- 6. a persist failure stops every rank together
+def _persist_bug_on_one_rank(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    plan = FaultPlan().fail_at(1, 4, "tier.local.write", "error")  # a bug (not an I/O error) in rank 1's persist
+    local = plan.instrument(LocalTier(tmp / "ckpt", every_n_steps=2, keep=3))
+    mgr = _manager([MemoryTier(keep=2), local], collective_timeout_s=PEER_TIMEOUT_S)
+    outcome: dict[str, Any] = {}
+    for step in range(1, 7):
+        start = time.monotonic()
+        try:
+            mgr.on_step(step, lambda step=step: _state(rank, step))
+        except CheckpointWorkerError as err:
+            outcome.update(step=step, error=str(err), elapsed=time.monotonic() - start)
+            break
+        mgr.wait(DRAIN, hold_failure=True)  # the persist of this step is done (a caller about to agree)
+    with contextlib.suppress(CheckpointWorkerError):
+        mgr.close(DRAIN)
+    return outcome
+
+
+def test_a_persist_failure_on_one_rank_stops_every_rank_at_the_same_agreement(tmp_path: Path) -> None:
+    """Rank 1's persist of step 4 fails with a bug: it is carried into the next persist agreement (step 6), where
+    both ranks raise at once (before: rank 1 raised at step 5, before any agreement, and rank 0 waited in the
+    agreement of step 6 for ``checkpoint.collective_timeout_s``)."""
+    r0, r1 = run_ranks(_persist_bug_on_one_rank, 2, tmp_path, deadline_s=DEADLINE_S)
+    assert r0.get("step") == r1.get("step") == 6, (r0, r1)
+    assert "rank(s) [1]" in r0["error"] and "InjectedError" in r1["error"], (r0, r1)
+    assert r0["elapsed"] < 20 and r1["elapsed"] < 20, (r0, r1)
 
 
 @pytest.mark.parametrize("collective", [True, False])

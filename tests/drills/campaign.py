@@ -360,11 +360,27 @@ def table(campaigns: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def earlier(campaigns: list[dict[str, Any]]) -> list[str]:
+    """One line per campaign of an earlier commit (kept for the record, not in the table), failures with replays."""
+    lines = ["", "Earlier campaigns, on earlier commits (`docs/results/earlier/`):", ""]
+    for c in campaigns:
+        failed = [d for d in c["drills"] if d["problems"]]
+        lines.append(
+            f"- `{c['command']}` at commit {c.get('commit')}: {len(c['drills'])} drills, "
+            f"{len(c['drills']) - len(failed)} passed, {len(failed)} failed"
+            + "".join(f"; failed: seed {d['seed']} ({d['fault']})" for d in failed)
+        )
+    return lines
+
+
 def rendered(text: str, results_dir: Path = RESULTS_DIR) -> str:
     """``text`` (docs/reliability.md) with its campaign block regenerated from every results file in
-    ``results_dir``."""
+    ``results_dir`` (the table) and in ``results_dir/earlier`` (a line each)."""
     campaigns = [json.loads(p.read_text()) for p in sorted(results_dir.glob("drill_campaign_*.json"))]
+    old = [json.loads(p.read_text()) for p in sorted((results_dir / "earlier").glob("drill_campaign_*.json"))]
     block = table(campaigns) if campaigns else f"{BEGIN}\nNo campaign published yet.\n{END}"
+    if old:
+        block = block[: -len(END)].rstrip("\n") + "\n" + "\n".join(earlier(old)) + "\n" + END
     start, end = text.index(BEGIN), text.index(END) + len(END)
     return text[:start] + block + text[end:]
 

@@ -5,6 +5,8 @@ is named persistent."""
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import torch
 
 from lightning_resilience.config.sdc import SDCConfig
 from lightning_resilience.sdc.inject import FlipSpec
+from lightning_resilience.testing.faults import FaultPlan
 from tests.sdc._loop import train
 from tests.sdc._spawn import run_ranks
 
@@ -74,3 +77,25 @@ def test_faulty_device_is_named_persistent(tmp_path: Path) -> None:
     assert (1, "persistent", "rollback", [1]) in events  # its own batch: it reproduces a wrong answer
     assert all(e[0] == 1 and e[1] == "persistent" and e[3] == [1] for e in events)  # and as a partner: named too
     assert all(r["dirty"] and r["rollback"] == 0 for r in results)
+
+
+def _agreement_hangs_on_one_rank(rank: int) -> dict[str, Any]:
+    """Rank 1 stops before the late guards' agreement of step 3 (it is stuck elsewhere): the others must get the
+    collective layer's typed error within ``sdc.timeout_s``, not wait on a group of their own without a deadline."""
+    plan = FaultPlan(hang_limit=timedelta(seconds=8)).fail_at(1, 3, "sdc.late_guards", "hang")
+    start = time.monotonic()
+    try:
+        with plan.armed():
+            train(STEPS, SDCConfig(timeout_s=2.0), rank=rank, ddp=True)
+    except Exception as err:  # every rank reports what ended it
+        return {"error": type(err).__name__, "message": str(err), "elapsed": time.monotonic() - start}
+    return {"error": None, "elapsed": time.monotonic() - start}
+
+
+def test_an_sdc_agreement_a_rank_never_joins_is_a_typed_error_within_its_timeout(tmp_path: Path) -> None:
+    results = run_ranks(_agreement_hangs_on_one_rank, 3, tmp_path)
+    for rank in (0, 2):
+        assert results[rank]["error"] == "CollectiveTimeoutError", results[rank]
+        assert "sdc.late_guards" in results[rank]["message"], results[rank]
+        assert results[rank]["elapsed"] < 30, results[rank]
+    assert results[1]["error"] is not None, results[1]  # released after 8 s into a broken agreement

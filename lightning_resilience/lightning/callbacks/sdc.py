@@ -254,7 +254,7 @@ class SDCVerification(Callback):
         if checkpoint is None or checkpoint.manager is None:
             return []
         manager = checkpoint.manager
-        manager.wait()  # a persist in flight may be the verified step we want
+        manager.wait(hold_failure=True)  # a persist in flight may be the verified step we want; an agreement follows
         steps: set[int] = set()
         for tier, tier_steps in manager.steps().items():
             if self.config.rollback_tiers is None or tier in self.config.rollback_tiers:
