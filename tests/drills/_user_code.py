@@ -22,6 +22,10 @@ step K, in launch ``L`` (``--fault-launch``) on its first torchrun attempt only:
   committed shard on disk, then SIGKILLs itself; the restart must not load that step;
 * ``enospc``: rank R's local-disk write of the persist step before K fails with ENOSPC half-way (a full disk, armed by
   the script), training goes on, then rank R SIGKILLs itself at K; the restart must not load the failed step;
+* ``disk-full``: the node's checkpoint directory is a small tmpfs (mounted by the campaign); the step before the
+  persist step P before K, rank R fills it, so every rank's local-disk write of P fails with ENOSPC from the
+  filesystem itself; training goes on, then rank R SIGKILLs itself at K. The disk stays full: the restart must
+  restore the newest step committed before P, and train on while every later persist fails;
 * ``node-loss``: rank R's node is lost with its RAM and disk: its shards are deleted and it SIGKILLs itself;
 * ``sigkill-peer-send``: with ``--checkpoint tiered`` (a peer tier), rank R is SIGKILLed as it starts sending its
   shard of peer step K to its peer, which is waiting to receive it (armed by the script that owns the tier);
@@ -38,6 +42,7 @@ it fires; every attempt's report gives what the checkpoint directory held before
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
@@ -69,6 +74,7 @@ FAULTS = (
     "node-loss",
     "sigkill-peer-send",
     "s3-outage",
+    "disk-full",
 )
 CHECKPOINTS = ("local", "tiered", "s3")
 """``--checkpoint``: the checkpoint preset of ``resilience=default`` (``local``) or ``resilience/checkpoint=tiered``
@@ -139,6 +145,21 @@ def committed_in(ckpt_dir: Path) -> dict[int, list[int]]:
     return out
 
 
+def fill(directory: Path) -> int:
+    """Fill the filesystem of ``directory`` (a drill's tmpfs) until it reports ENOSPC; returns the bytes written."""
+    written, block = 0, b"\0" * 2**16
+    print(f"DRILL: filling the disk of {directory}", flush=True)
+    with open(directory / "filler", "wb") as f:
+        try:
+            while True:
+                written += f.write(block)
+                f.flush()
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+    return written
+
+
 def record_fault(run_dir: Path, **fields: Any) -> None:
     """Append one fault to ``RUN/faults.jsonl`` (synced: the process may die right after)."""
     with open(run_dir / "faults.jsonl", "a") as f:
@@ -180,7 +201,7 @@ class Fault(Callback):
 
     @property
     def _persist_step(self) -> int:
-        """The persist step a ``sigkill-persist``, ``enospc`` or ``s3-outage`` fault hits."""
+        """The persist step a ``sigkill-persist``, ``enospc``, ``disk-full`` or ``s3-outage`` fault hits."""
         return self.step if self.kind == "sigkill-persist" else self.step // PERSIST_EVERY * PERSIST_EVERY
 
     def _record(self, **fields: Any) -> None:
@@ -196,10 +217,13 @@ class Fault(Callback):
             self._kill()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if self.kind in ("sigkill-persist", "enospc", "s3-outage") and trainer.global_step == self._persist_step - 1:
+        hits_persist = self.kind in ("sigkill-persist", "enospc", "s3-outage", "disk-full")
+        if hits_persist and trainer.global_step == self._persist_step - 1:
             # every rank, the step before the persist the fault hits: a persist that finds the previous one still
             # being written (a loaded machine) is deferred to a later step, and the fault would wait for nothing
             self.settle()
+            if self.kind == "disk-full" and trainer.global_rank == self.rank:
+                fill(self.run_dir / "ckpt")
         if trainer.global_rank != self.rank or trainer.global_step != self.step:
             return
         if self.kind == "sigterm-rank":
@@ -210,8 +234,11 @@ class Fault(Callback):
             self._record()
             print(f"DRILL: rank {self.rank} SIGTERM to the launcher after step {self.step}", flush=True)
             os.kill(os.getppid(), signal.SIGTERM)
-        if self.kind in ("sigkill-restore", "corrupt-shard", "truncate-shard", "node-loss", "s3-outage"):
-            self.settle()
+        if self.kind in ("sigkill-restore", "corrupt-shard", "truncate-shard", "node-loss", "s3-outage", "disk-full"):
+            self.settle()  # disk-full: the failing persist of P has failed on this rank
+        if self.kind == "disk-full":
+            self._record(damaged=self._persist_step)
+            self._kill()
         if self.kind in ("sigkill", "sigkill-restore", "sigkill-persist", "enospc"):
             # the persist runs on the engine's thread: wait until it is half-way through the shard (or has failed)
             if self.kind in ("sigkill-persist", "enospc") and not self.in_flight.wait(START_LIMIT_S):

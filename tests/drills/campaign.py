@@ -39,6 +39,7 @@ import torch
 
 from tests.drills._harness import ROOT, Drill, DrillResult, first_difference, run_drill
 from tests.drills._s3_outage import S3Outages
+from tests.drills._tmpfs import TmpfsUnavailable, tmpfs
 from tests.drills._user_code import FAULTS, PERSIST_EVERY
 
 STEPS = 40
@@ -71,7 +72,7 @@ def draw(seed: int, steps: int = STEPS, faults: tuple[str, ...] = FAULTS[1:]) ->
     persist_steps = range(PERSIST_EVERY, steps, PERSIST_EVERY)
     if fault == "sigkill-persist":
         step = rng.choice(persist_steps)
-    elif fault in ("enospc", "s3-outage"):  # the persist of P fails or is cut; the kill comes before the next one
+    elif fault in ("enospc", "s3-outage", "disk-full"):  # the persist of P fails or is cut; the kill before the next
         step = rng.choice(persist_steps) + rng.randint(2, PERSIST_EVERY - 2)
     elif fault == "sigkill-peer-send":  # the tiered preset's peer tier replicates every 5 steps
         step = rng.choice(range(PEER_EVERY, steps, PEER_EVERY))
@@ -240,6 +241,19 @@ def run_one(seed: int, references: References, root: Path, faults: tuple[str, ..
     outcome = Outcome(seed, drill.fault, drill.rank, drill.step, drill.workers, drill.checkpoint, run_dir=str(run_dir))
     outcome.faults = "" if set(faults) == set(FAULTS[1:]) else ",".join(faults)
     start = time.perf_counter()
+    disk = tmpfs(run_dir / "ckpt") if drill.fault == "disk-full" else contextlib.nullcontext()
+    try:
+        with disk:
+            outcome = _run_and_check(drill, run_dir, references, reference, outcome)
+    except TmpfsUnavailable as err:
+        outcome.problems.append(f"the full disk could not be set up: {err}")
+    outcome.wall_s = round(time.perf_counter() - start, 2)
+    return outcome
+
+
+def _run_and_check(
+    drill: Drill, run_dir: Path, references: References, reference: dict[str, torch.Tensor], outcome: Outcome
+) -> Outcome:
     try:
         result = run_drill(drill, run_dir, env=references.env(drill))
     except subprocess.TimeoutExpired as err:
@@ -248,7 +262,6 @@ def run_one(seed: int, references: References, root: Path, faults: tuple[str, ..
         outcome.problems.append(f"the job did not finish: {type(err).__name__}: {str(err)[-3000:]}")
     else:
         check(result, reference, outcome)
-    outcome.wall_s = round(time.perf_counter() - start, 2)
     left = leftovers(run_dir)
     if left:
         outcome.problems.append(f"processes left after the job ended: {left}")
