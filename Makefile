@@ -12,7 +12,8 @@ LINT_PATHS := lightning_resilience recipes hydra_plugins setup.py tests $(wildca
 repo_on_path = $(1) -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], \
 	'lightning_resilience_checkout.pth').write_text('$(CURDIR)\n')"
 
-.PHONY: venv nemo-venv demo launch-drills test lint typecheck unit bench gpu-check clean drills-data drills
+.PHONY: venv nemo-venv demo launch-drills test lint typecheck unit bench gpu-check clean drills-data drills \
+	stalls-before-after
 
 $(STAMP): setup.cfg setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -94,3 +95,14 @@ PUBLISH ?=
 drills: $(STAMP)
 	$(BIN)/python -m tests.drills.campaign --n $(N) --seed $(SEED) $(if $(FAULTS),--faults $(FAULTS)) \
 		$(if $(PUBLISH),--publish)
+
+# The five stall paths of docs/reliability.md, before and after: tests/checkpoint/stalls_093449b.py replays the
+# scenarios of tests/checkpoint/test_stalls.py on commit 093449b (a temporary worktree; each must hang or fail
+# there, under a 90 s deadline per scenario), then the tests run on this tree (each must pass). About 7 minutes.
+STALLS_BEFORE := 093449b
+stalls-before-after: $(STAMP)
+	@old=$$(mktemp -d)/$(STALLS_BEFORE) && git worktree add --detach $$old $(STALLS_BEFORE) >/dev/null && \
+	(cd $$old && PYTHONPATH=$$old PYTHONWARNINGS=ignore::FutureWarning \
+		$(abspath $(BIN))/python $(CURDIR)/tests/checkpoint/stalls_093449b.py); \
+	rc=$$?; git worktree remove --force $$old && rmdir $$(dirname $$old); exit $$rc
+	$(BIN)/python -m pytest -q tests/checkpoint/test_stalls.py
