@@ -61,6 +61,8 @@ DEADLINE_S = {kind: RESTART_S for kind in FAULTS} | {
     "sigkill-restore": 2 * RESTART_S,  # two restarts: the second fault hits the first restart's restore
 }
 """Longest time to recover, per fault: from the (first) fault to the first step after the restore."""
+FULL_DISK_UNAVAILABLE = "the full disk could not be set up"
+"""The problem of a ``disk-full`` drill where no tmpfs can be mounted (the CI subset skips it)."""
 LEFTOVER_GRACE_S = 15.0
 """How long the processes of an ended job may take to go (a killed rank's loader workers notice their parent died)."""
 
@@ -246,7 +248,7 @@ def run_one(seed: int, references: References, root: Path, faults: tuple[str, ..
         with disk:
             outcome = _run_and_check(drill, run_dir, references, reference, outcome)
     except TmpfsUnavailable as err:
-        outcome.problems.append(f"the full disk could not be set up: {err}")
+        outcome.problems.append(f"{FULL_DISK_UNAVAILABLE}: {err}")
     outcome.wall_s = round(time.perf_counter() - start, 2)
     return outcome
 

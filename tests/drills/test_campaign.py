@@ -19,7 +19,18 @@ import pytest
 import torch
 
 from tests.drills._harness import Drill, DrillResult, _run_bounded
-from tests.drills.campaign import DOCS, FAULTS, Outcome, References, check, draw, leftovers, rendered, run_one
+from tests.drills.campaign import (
+    DOCS,
+    FAULTS,
+    FULL_DISK_UNAVAILABLE,
+    Outcome,
+    References,
+    check,
+    draw,
+    leftovers,
+    rendered,
+    run_one,
+)
 
 SEED = int(os.environ.get("DRILL_SEED", time.strftime("%Y%m%d", time.gmtime())))
 N = int(os.environ.get("CAMPAIGN_CI_N", "10"))
@@ -94,6 +105,8 @@ def test_a_process_left_behind_is_named_and_ended(tmp_path: Path) -> None:
 @pytest.mark.parametrize("index", range(N))
 def test_random_drill(tmp_path: Path, references: References, index: int) -> None:
     outcome: Outcome = run_one(SEED + index, references, tmp_path)
+    if any(p.startswith(FULL_DISK_UNAVAILABLE) for p in outcome.problems):
+        pytest.skip(f"seed {outcome.seed}: {outcome.problems[0]}")
     print(f"drill seed {outcome.seed}: {outcome.fault} rank {outcome.rank} step {outcome.step}, recovered in "
           f"{outcome.recovery_s} s, restored {outcome.restored}")  # fmt: skip
     assert outcome.ok, f"{outcome.problems}; replay: {outcome.replay()} (run dir {outcome.run_dir})"
