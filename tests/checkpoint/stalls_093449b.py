@@ -407,7 +407,7 @@ def _listing_on_training_thread(rank: int, world: int, tmp: Path) -> dict[str, A
 
 
 # ---------------------------------------------------------------- running ranks under a hard deadline
-def _child(rank: int, world: int, key: str, tmp: str, release: Any) -> None:
+def _child(rank: int, world: int, key: str, tmp: str, release: Any, done: Any) -> None:
     out = Path(tmp)
     log_file = open(out / f"log_rank{rank}.txt", "w")  # noqa: SIM115 (open for the life of the process)
     os.dup2(log_file.fileno(), 2)  # gloo's and the engine's warnings go to the rank's log, not the table
@@ -424,6 +424,7 @@ def _child(rank: int, world: int, key: str, tmp: str, release: Any) -> None:
         result = {"ok": False, "traceback": traceback.format_exc()}
     (out / f"result_rank{rank}.tmp").write_text(json.dumps(result))
     os.replace(out / f"result_rank{rank}.tmp", out / f"result_rank{rank}.json")
+    done.release()
     release.wait(DEADLINE_S + HANG_LIMIT_S)  # alive, like a rank of a running job, until the runner ends us
     os._exit(0)  # a worker thread may still sit in a collective: no teardown that could wait on it
 
@@ -456,19 +457,19 @@ def run(key: str) -> tuple[str, bool]:
     """Run one scenario: its verdict, and whether the stall path reproduced (it hung or failed)."""
     scenario, ctx = SCENARIOS[key], mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix=f"stall{key}-") as tmp:
-        release = ctx.Event()
-        procs = [ctx.Process(target=_child, args=(r, scenario.world, key, tmp, release)) for r in range(scenario.world)]
+        release, done = ctx.Event(), ctx.Semaphore(0)
+        args = [(r, scenario.world, key, tmp, release, done) for r in range(scenario.world)]
+        procs = [ctx.Process(target=_child, args=a) for a in args]
         start = time.monotonic()
         for proc in procs:
             proc.start()
         files = [Path(tmp) / f"result_rank{r}.json" for r in range(scenario.world)]
 
-        def pending() -> list[int]:
-            return [r for r, f in enumerate(files) if not f.exists() and procs[r].is_alive()]
-
-        while pending() and time.monotonic() - start < DEADLINE_S:
-            time.sleep(0.2)  # bounded polling of the rank processes
-        waited, hung = time.monotonic() - start, pending()
+        for _ in procs:  # each rank signals its result; a hung one never does
+            if not done.acquire(timeout=max(DEADLINE_S - (time.monotonic() - start), 0.0)):
+                break
+        waited = time.monotonic() - start
+        hung = [r for r, f in enumerate(files) if not f.exists() and procs[r].is_alive()]
         dumps = {r: Path(tmp) / f"stacks_rank{r}.txt" for r in hung}
         for r in hung:
             os.kill(procs[r].pid, signal.SIGUSR1)
