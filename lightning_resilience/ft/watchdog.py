@@ -89,8 +89,7 @@ class TimeoutCalibrator:
         return self.initial.get(section, math.inf)
 
     def calibrated(self, section: str) -> bool:
-        timing = self._timings.get(section)
-        return timing is not None and timing.timeout_s is not None
+        return self.basis(section) == "calibrated"
 
     def basis(self, section: str) -> str:
         """Where ``section``'s timeout comes from: 'calibrated', 'provisional' or 'initial'."""
@@ -149,9 +148,12 @@ class Hang:
     step: int
     stuck_for_s: float
     timeout_s: float
-    calibrated: bool
-    basis: str = ""
+    basis: str
     """'calibrated', 'provisional' or 'initial' (see :meth:`TimeoutCalibrator.basis`)."""
+
+    @property
+    def calibrated(self) -> bool:
+        return self.basis == "calibrated"
 
 
 class Watchdog:
@@ -228,8 +230,7 @@ class Watchdog:
         timeout = self.calibrator.timeout(section)
         stuck = self._clock() - since
         if stuck > timeout:
-            cal = self.calibrator
-            return Hang(section, step, stuck, timeout, cal.calibrated(section), cal.basis(section))
+            return Hang(section, step, stuck, timeout, self.calibrator.basis(section))
         return None
 
     def _time_left(self) -> float:
@@ -333,7 +334,7 @@ class HangHandler:
             detection_s=hang.stuck_for_s,
             timeout_s=hang.timeout_s,
             message=f"section {hang.section!r} open for {hang.stuck_for_s:.1f}s > timeout {hang.timeout_s:.1f}s"
-            f" ({hang.basis or ('calibrated' if hang.calibrated else 'initial')})",
+            f" ({hang.basis})",
             stacks=str(stacks) if stacks else None,
         )
         log.critical(

@@ -145,7 +145,7 @@ def test_hang_in_a_section_is_reported_once_with_section_step_and_duration() -> 
         clock.advance(2.0)
         wd.poke()
         assert rec.event.wait(WAIT_S)
-        assert rec.hangs == [Hang("setup", 0, 101.0, 100.0, calibrated=False, basis="initial")]
+        assert rec.hangs == [Hang("setup", 0, 101.0, 100.0, basis="initial")]
     finally:
         wd.stop(timedelta(seconds=WAIT_S))
 
@@ -223,7 +223,7 @@ def test_hang_handler_dumps_all_stacks_and_leaves_a_fault_note(tmp_path: Path) -
     peer.start()
     try:
         assert started.wait(WAIT_S)
-        handler(Hang("step", 17, 12.5, 10.0, calibrated=True))
+        handler(Hang("step", 17, 12.5, 10.0, basis="calibrated"))
     finally:
         release.set()
         peer.join(WAIT_S)
