@@ -23,10 +23,8 @@ Tests and drills inject faults with :func:`set_fault_hook` (see :mod:`lightning_
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
-import io
 import logging
+import os
 import pickle
 import threading
 import time
@@ -36,6 +34,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_resilience._plain_pickle import loads_plain
 
 __all__ = [
     "CollectiveError",
@@ -148,17 +148,35 @@ class SideGroup:
         self.name = name
         self.timeout = timeout
         self.rank, self.world_size = 0, 1
-        self._group: Any = None
-        self._broken: CollectiveError | None = None
+        self._link = _Link()
         if not local and dist.is_available() and dist.is_initialized():
             self.rank, self.world_size = dist.get_rank(parent), dist.get_world_size(parent)
             if self.world_size > 1:
                 ranks = dist.get_process_group_ranks(parent) if parent is not None else None
-                self._group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+                self._link.group = _new_lazy_group(ranks, timeout)
+
+    def view(self, name: str, timeout: timedelta) -> SideGroup:
+        """The same gloo group under another name and timeout (not collective): components that agree on the same
+        thread share one group; a failure seen through any view breaks them all (the group underneath is unusable)."""
+        if timeout <= timedelta(0):
+            raise ValueError(f"{name}: collective timeout must be > 0, got {timeout}")
+        other = SideGroup(name, timeout, local=True)
+        other.rank, other.world_size, other._link = self.rank, self.world_size, self._link
+        return other
+
+    _group = property(lambda self: self._link.group)
+
+    @property
+    def _broken(self) -> CollectiveError | None:
+        return self._link.broken
+
+    @_broken.setter
+    def _broken(self, error: CollectiveError | None) -> None:
+        self._link.broken = error
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_group"] = None  # a process group belongs to the process that made it
+        state["_link"] = _Link()  # a process group belongs to the process that made it
         return state
 
     def __repr__(self) -> str:
@@ -214,7 +232,7 @@ class SideGroup:
             parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
             dist.all_gather(parts, buf, group=self._group, async_op=True).wait(timeout)
         return [
-            _AgreementUnpickler(io.BytesIO(p[: int(n.item())].numpy().tobytes())).load() for p, n in zip(parts, sizes)
+            loads_plain(p[: int(n.item())].numpy().tobytes()) for p, n in zip(parts, sizes)
         ]
 
     def all_gather_tensor(
@@ -244,6 +262,13 @@ class SideGroup:
     def reduce_min(self, value: int, *, op: str, step: int | None = None, deadline: Deadline | None = None) -> int:
         """The smallest ``value`` of all ranks."""
         return int(self._reduce(int(value), dist.ReduceOp.MIN, op, step, deadline))
+
+    def reduce_and_each(
+        self, values: Sequence[int], *, op: str, step: int | None = None, deadline: Deadline | None = None
+    ) -> list[int]:
+        """The bitwise AND of all ranks' ``values[i]`` for each ``i`` (same length on every rank), in one
+        all-reduce: a flag that must hold everywhere, or a bit set of steps every rank holds."""
+        return self._reduce_all(list(values), dist.ReduceOp.BAND, op, step, deadline)
 
     def reduce_max_each(
         self, values: Sequence[int], *, op: str, step: int | None = None, deadline: Deadline | None = None
@@ -309,6 +334,27 @@ class SideGroup:
                 _wait(work, timeout)
         return out
 
+    def swap(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        *,
+        op: str,
+        step: int | None = None,
+        deadline: Deadline | None = None,
+    ) -> list[Any]:
+        """Point to point of CPU tensors whose sizes both sides know: post every send and receive (group ranks), wait
+        for the receives, and return the sends' works, still in flight (wait them before reusing their tensors).
+        One wait per receive, none per send: the fewest round trips for a thread that shares the interpreter."""
+        if not self._enter(op, step):
+            return []
+        timeout = self._bound(op, deadline)
+        with self._guard(op, timeout):
+            sent = [dist.isend(t, self.global_rank(r), group=self._group) for r, t in sends]
+            for work in [dist.irecv(t, self.global_rank(r), group=self._group) for r, t in recvs]:
+                _wait(work, timeout)
+        return sent
+
     # ------------------------------------------------------------------ internals
     def _enter(self, op: str, step: int | None) -> bool:
         """Run the fault hook; False when there is nobody to agree with (the caller returns the local answer)."""
@@ -367,26 +413,33 @@ class SideGroup:
             raise failure from err
 
 
-class _AgreementUnpickler(pickle.Unpickler):
-    """What a peer sends is unpickled as plain values only: built-in scalars and containers, and the dataclasses and
-    enums of this package; any other global (a function, a class of another package) is refused."""
+class _Link:
+    """The gloo group of a side group and its health, shared by its views."""
 
-    _BUILTINS = frozenset({"set", "frozenset", "complex", "range", "slice", "bytearray"})
+    __slots__ = ("broken", "group")
 
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "builtins" and name in self._BUILTINS:
-            return super().find_class(module, name)
-        if module == "collections" and name == "OrderedDict":
-            return super().find_class(module, name)
-        if module.split(".")[0] == "lightning_resilience" and "." not in name:
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
-                return obj
-        raise pickle.UnpicklingError(f"a side-group agreement may not carry {module}.{name}")
+    def __init__(self) -> None:
+        self.group: Any = None
+        self.broken: CollectiveError | None = None
 
 
-def _unpickle(data: bytes) -> Any:
-    return _AgreementUnpickler(io.BytesIO(data)).load()
+_LAZY = "TORCH_GLOO_LAZY_INIT"
+
+
+def _new_lazy_group(ranks: list[int] | None, timeout: timedelta) -> Any:
+    """A gloo group whose connections are made on first use, pair by pair (``TORCH_GLOO_LAZY_INIT``): a side group
+    talks to few peers (ring neighbours, a tree's parent and children, a peer tier's partner), so its sockets and
+    set-up time do not grow with the number of ranks (an eager group connects to every rank). The variable is put
+    back as it was: the training process group is left as its owner made it."""
+    before = os.environ.get(_LAZY)
+    os.environ[_LAZY] = "1"
+    try:
+        return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+    finally:
+        if before is None:
+            os.environ.pop(_LAZY, None)
+        else:
+            os.environ[_LAZY] = before
 
 
 def _wait(work: Any, timeout: timedelta) -> None:

@@ -5,16 +5,15 @@
 * :class:`Action` — what the job does, mildest first; the order is the reduction order.
 * :class:`Decision` — the action every rank takes at one step, and the exit code it leads to.
 
-Detectors post verdicts; at the next step boundary every rank calls :meth:`PolicyBus.decide`, which reduces the
-most severe (action, event) any rank asked for in one small all-reduce, so every rank takes the same action on the
-same step and ends with the same exit code. The mapping from event to action is the user's
-(:class:`PolicyConfig`); every decision is kept for the report. Nothing here imports Lightning.
+Detectors post verdicts; the most severe (action, event) any rank asked for travels in the next step's one
+agreement (:mod:`lightning_resilience.step`), and :meth:`PolicyBus.decide` turns the agreed value into a decision,
+so every rank takes the same action on the same step and ends with the same exit code. The mapping from event to
+action is the user's (:class:`PolicyConfig`); every decision is kept for the report. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -92,8 +91,11 @@ class PolicyConfig:
     it without a line of user code. False: ``fit`` returns and the caller ends the process with
     ``Suite.of(trainer).exit_code``."""
     timeout_s: float = 300.0
-    """Bound on each agreement between ranks (the decision at a step boundary, the restore bound at resume), on a
-    side gloo group of the policy's own."""
+    """Bound on each agreement between ranks: the step's agreement (issued at a step's start, taken at its end), the
+    restore bound at resume, an in-process rollback."""
+    agreement_fanout: int = 4
+    """Children per rank in the tree the step's agreement runs along: each rank talks to at most this many + 1 peers,
+    and a round takes 2 x log_fanout(ranks) hops."""
 
     def __post_init__(self) -> None:
         for event, allowed in ALLOWED.items():
@@ -102,6 +104,8 @@ class PolicyConfig:
                 raise ConfigError("policy", event, f"must be one of {list(allowed)}, got {value!r}")
         if not self.timeout_s > 0:
             raise ConfigError("policy", "timeout_s", f"must be > 0, got {self.timeout_s}")
+        if self.agreement_fanout < 2:
+            raise ConfigError("policy", "agreement_fanout", f"must be >= 2, got {self.agreement_fanout}")
 
     def action_for(self, event: str) -> str:
         if event not in ALLOWED:
@@ -222,47 +226,61 @@ class Decision:
 
 
 class PolicyBus:
-    """Collects verdicts on one rank and turns them into collective decisions.
+    """Collects verdicts on one rank and turns them into the decisions every rank takes alike.
+
+    A verdict posted on one rank reaches the others through the next step's agreement: :meth:`contribute` gives the
+    most severe (action, event) posted since the last round as one integer, the ranks reduce it (MAX), and
+    :meth:`decide` turns the agreed integer into a decision. A verdict every rank posts alike (computed from
+    gathered data, or from agreed values) is posted with ``agreed=True`` and needs no round. Nothing here waits for
+    another rank.
 
     Args:
         config: the event -> action mapping.
-        reduce_max: all-reduce MAX of one int over the job's ranks (identity on a single rank); it must be called
-            by every rank at the same step boundary.
     """
 
-    def __init__(self, config: PolicyConfig | None = None, reduce_max: Callable[[int], int] | None = None) -> None:
+    def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config or PolicyConfig()
-        self._reduce_max = reduce_max or (lambda value: value)
         self._pending: list[tuple[Verdict, int]] = []  # verdict, the severity it asks for
+        self._inflight: list[tuple[Verdict, int]] = []  # contributed to the round in flight
+        self._agreed: list[tuple[Verdict, int]] = []  # posted alike on every rank: decided at the next decide()
         self._lock = threading.Lock()  # detectors may post from their own threads (the watchdog)
         self.decisions: list[Decision] = []
 
     def action_for(self, event: Event) -> Action:
         return Action(self.config.action_for(event.value))
 
-    def post(self, verdict: Verdict, *, at_least: Action | None = None) -> Action:
-        """Record a verdict; returns the action it leads to (taken at the next :meth:`decide`): the mapping's
-        action for its event, raised to ``at_least`` when that is more severe."""
+    def post(self, verdict: Verdict, *, at_least: Action | None = None, agreed: bool = False) -> Action:
+        """Record a verdict; returns the action it leads to: the mapping's action for its event, raised to
+        ``at_least`` when that is more severe. ``agreed``: every rank posts the same verdict at the same step."""
         action = self.action_for(verdict.event)
         if at_least is not None and at_least.severity > action.severity:
             action = at_least
         with self._lock:
-            self._pending.append((verdict, action.severity))
+            (self._agreed if agreed else self._pending).append((verdict, action.severity))
         return action
 
-    def decide(self, step: int) -> Decision | None:
-        """Collective: the most severe action asked for on any rank since the last call (None: nothing to do).
+    @staticmethod
+    def _encode(posted: list[tuple[Verdict, int]]) -> int:
+        return max((severity * len(_EVENTS) + _EVENTS.index(v.event) for v, severity in posted), default=-1)
 
-        Ties between events of the same severity go to the later event in :class:`Event`, on every rank alike.
-        """
+    def contribute(self) -> int:
+        """This rank's field of the next round: its most severe verdict since the last round (-1: none)."""
         with self._lock:
-            pending, self._pending = self._pending, []
-        local = max((severity * len(_EVENTS) + _EVENTS.index(v.event) for v, severity in pending), default=-1)
-        agreed = self._reduce_max(local)
-        if agreed < 0:
+            self._inflight += self._pending
+            self._pending = []
+            return self._encode(self._inflight)
+
+    def decide(self, step: int, agreed: int) -> Decision | None:
+        """The decision of ``step`` from the round's agreed field and the verdicts posted alike on every rank
+        (None: nothing to do). Ties between events of the same severity go to the later event in :class:`Event`."""
+        with self._lock:
+            mine, self._inflight = self._inflight, []
+            alike, self._agreed = self._agreed, []
+        value = max(agreed, self._encode(alike))
+        if value < 0:
             return None
-        severity, event_index = divmod(agreed, len(_EVENTS))
-        decision = Decision(step, Action(ACTIONS[severity]), _EVENTS[event_index], [v for v, _ in pending])
+        severity, event_index = divmod(value, len(_EVENTS))
+        decision = Decision(step, Action(ACTIONS[severity]), _EVENTS[event_index], [v for v, _ in [*mine, *alike]])
         self.decisions.append(decision)
         return decision
 

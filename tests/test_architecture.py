@@ -13,7 +13,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_resilience"
 MAX_LINES = 450
-ENGINES = {"checkpoint", "straggler", "sdc", "ft", "sim", "rollback"}
+ENGINES = {"checkpoint", "straggler", "sdc", "ft", "sim", "rollback", "step"}
 FRAMEWORK_FREE = ENGINES | {"collective", "policy", "exit_codes", "launch", "report"}
 """Parts that never import Lightning, not even inside a function: only ``lightning/`` and ``integrations/`` do."""
 ABOVE_ENGINES = {"lightning", "integrations", "cli", "config", "launch", "report", "testing"}
@@ -158,3 +158,46 @@ def test_engines_import_no_lightning_anywhere() -> None:
                 continue
             wrong += [f"{path.relative_to(PACKAGE)}: {n}" for n in names if n.split(".")[0] in LIGHTNING_PACKAGES]
     assert not wrong, f"framework-free parts importing Lightning (move it to lightning/): {wrong}"
+
+
+CALLBACKS = PACKAGE / "lightning" / "callbacks"
+ROLES = {"checkpoint", "sdc", "straggler", "fault_tolerance", "policy"}
+
+
+def test_callbacks_never_import_one_another() -> None:
+    """Each callback is an adapter over its own engine: what it needs of another member comes through the suite's
+    small protocols (``lightning/_members.py``), never by importing that callback, not even inside a function."""
+    mine = {p.stem for p in CALLBACKS.glob("*.py")} - {"__init__"}
+    assert {"tiered_checkpoint", "sdc", "straggler", "fault_tolerance"} <= mine
+    wrong = []
+    for path in sorted(p for p in CALLBACKS.glob("*.py") if p.name != "__init__.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                pieces = name.split(".")
+                ours = pieces[:3] == ["lightning_resilience", "lightning", "callbacks"] and len(pieces) > 3
+                if ours and pieces[3] in mine and pieces[3] != path.stem:
+                    wrong.append(f"{path.name} imports {name}")
+    assert not wrong, wrong
+
+
+def test_no_member_reads_another_through_the_suite() -> None:
+    """``suite.checkpoint``, ``suite.sdc``... are the user's handles; members and the rollback use the protocols."""
+    files = [*CALLBACKS.glob("*.py"), PACKAGE / "lightning" / "rollback.py", PACKAGE / "lightning" / "_step_path.py"]
+    wrong = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ROLES
+                and isinstance(node.value, ast.Attribute | ast.Name)
+            ):
+                owner = node.value.attr if isinstance(node.value, ast.Attribute) else node.value.id
+                if owner in ("_suite", "suite"):
+                    wrong.append(f"{path.name}:{node.lineno}: {owner}.{node.attr}")
+    assert not wrong, wrong

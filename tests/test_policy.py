@@ -1,5 +1,6 @@
-"""The resilience policy: verdicts posted on any rank become one action, taken by every rank at the same step; the
-suite carries it out whatever the order of the callbacks, and the process ends with its code."""
+"""The resilience policy: verdicts posted on any rank become one action, taken by every rank at the same step (the
+step after the one they were posted in: they travel in the next step's agreement); the suite carries it out whatever
+the order of the callbacks, and the process ends with its code."""
 
 from __future__ import annotations
 
@@ -27,23 +28,39 @@ def test_config_rejects_actions_that_make_no_sense_for_the_event() -> None:
 
 def test_the_most_severe_action_wins_and_nothing_means_none() -> None:
     bus = PolicyBus(PolicyConfig(straggler="alert"))
-    assert bus.decide(3) is None
+    assert bus.decide(3, bus.contribute()) is None
     bus.post(Verdict(Event.STRAGGLER, 4, 0, "rank 0 1.5x slower"))
     bus.post(Verdict(Event.SDC_MISMATCH, 4, 0, "replica mismatch"))
-    decision = bus.decide(4)
+    decision = bus.decide(4, bus.contribute())
     assert decision is not None and decision.action is Action.ROLLBACK and len(decision.verdicts) == 2
     assert decision.event is Event.SDC_MISMATCH and decision.exit_code is ExitCode.SDC
-    assert bus.decide(5) is None  # verdicts are consumed by the decision
+    assert bus.decide(5, bus.contribute()) is None  # verdicts are consumed by the decision
     assert [d["action"] for d in bus.report()["decisions"]] == ["rollback"]
+
+
+def test_a_verdict_posted_after_the_round_waits_for_the_next_one() -> None:
+    bus = PolicyBus(PolicyConfig())
+    value = bus.contribute()  # the round of step 4 is issued at its start
+    bus.post(Verdict(Event.STRAGGLER, 4, 0, "slow"))  # posted during step 4
+    assert bus.decide(5, value) is None
+    decision = bus.decide(6, bus.contribute())
+    assert decision is not None and decision.step == 6 and decision.action is Action.CHECKPOINT_AND_STOP
+
+
+def test_an_agreed_verdict_is_decided_without_a_round() -> None:
+    bus = PolicyBus(PolicyConfig())
+    bus.post(Verdict(Event.SDC_MISMATCH, 4, 0, "replicas differ"), agreed=True)
+    decision = bus.decide(4, -1)  # nothing came from the round: every rank posted it alike
+    assert decision is not None and decision.action is Action.ROLLBACK
 
 
 def test_at_least_raises_the_mapped_action_and_the_exit_code_follows_the_event() -> None:
     bus = PolicyBus(PolicyConfig(sdc_mismatch="alert"))
     assert bus.post(Verdict(Event.SDC_MISMATCH, 2, 0, "persistent"), at_least=Action.ROLLBACK) is Action.ROLLBACK
-    decision = bus.decide(2)
+    decision = bus.decide(2, bus.contribute())
     assert decision is not None and decision.action is Action.ROLLBACK and decision.exit_code == 84
     bus.post(Verdict(Event.STRAGGLER, 3, 0, "slow"))
-    decision = bus.decide(3)
+    decision = bus.decide(3, bus.contribute())
     assert decision is not None and decision.exit_code is ExitCode.STRAGGLER
 
 
@@ -53,12 +70,12 @@ def _scenario_two_ranks(rank: int, world: int, tmp: Path) -> dict[str, Any]:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
-    bus = PolicyBus(PolicyConfig(), reduce_max)
+    bus = PolicyBus(PolicyConfig())
     actions = []
     for step in range(1, 6):
         if rank == 1 and step == 3:  # only rank 1 sees the straggler
             bus.post(Verdict(Event.STRAGGLER, step, rank, "rank 1 slow"))
-        decision = bus.decide(step)
+        decision = bus.decide(step, reduce_max(bus.contribute()))
         actions.append(None if decision is None else [step, decision.action.value, len(decision.verdicts)])
     return {"actions": actions}
 
@@ -107,7 +124,8 @@ def test_policy_stops_with_a_checkpoint_and_the_exit_code_or_only_alerts(
         with pytest.raises(DecidedExit) as ended:  # no user code: the end of fit ends the process with the code
             t.fit(model, datamodule=data)
         assert ended.value.code == ExitCode.STRAGGLER == policy.exit_code
-        assert t.global_step == 6 and 6 in tiers[1].list_steps()  # saved before stopping
+        # posted during step 6, agreed in the round of the next step, acted on at its end: saved before stopping
+        assert t.global_step == 7 and 7 in tiers[1].list_steps()
     assert [d["action"] for d in policy.report()["decisions"]] == [mapping]
 
 
@@ -117,7 +135,7 @@ def test_exit_after_fit_false_leaves_the_exit_to_the_caller(tmp_path: Path) -> N
     tiers = [MemoryTier(every_n_steps=1, keep=2), LocalTier(tmp_path, every_n_steps=100, keep=2)]
     t = trainer(20, [_SlowRankDetector(4), policy, TieredCheckpoint(tiers)])
     t.fit(model, datamodule=data)
-    assert t.global_step == 4 and Suite.of(t).exit_code is ExitCode.STRAGGLER
+    assert t.global_step == 5 and Suite.of(t).exit_code is ExitCode.STRAGGLER
 
 
 def test_two_checkpoint_callbacks_are_refused(tmp_path: Path) -> None:

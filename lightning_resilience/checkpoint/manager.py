@@ -23,8 +23,9 @@ from lightning_resilience.checkpoint._legacy import conform
 from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.emergency import EmergencySave
 from lightning_resilience.checkpoint.errors import CheckpointWorkerError
+from lightning_resilience.checkpoint.persist_view import PersistAgreement
 from lightning_resilience.checkpoint.restore import CollectiveRestore
-from lightning_resilience.checkpoint.retention import apply_retention, committed_everywhere, missing_anywhere
+from lightning_resilience.checkpoint.retention import apply_retention
 from lightning_resilience.checkpoint.snapshot import HostSnapshot, SnapshotPool
 from lightning_resilience.checkpoint.stats import CheckpointStats, Restored, TierStats
 from lightning_resilience.checkpoint.tier import Durability, RamTier, Tier, TierIdentity, restore_order
@@ -38,10 +39,19 @@ log = logging.getLogger(__name__)
 
 
 class _PersistResult:
-    __slots__ = ("error", "nbytes", "seconds", "step", "tier")
+    __slots__ = ("deleted", "error", "nbytes", "seconds", "step", "tier")
 
-    def __init__(self, tier: str, step: int, nbytes: int, seconds: float, error: BaseException | None = None):
+    def __init__(
+        self,
+        tier: str,
+        step: int,
+        nbytes: int,
+        seconds: float,
+        error: BaseException | None = None,
+        deleted: Sequence[int] = (),
+    ):
         self.tier, self.step, self.nbytes, self.seconds, self.error = tier, step, nbytes, seconds, error
+        self.deleted = list(deleted)
 
 
 class CheckpointManager:
@@ -85,15 +95,46 @@ class CheckpointManager:
         self._closed = False
         self._failure: BaseException | None = None
         """A persist failure held for the next agreement, so that every rank stops at the same call."""
+        self.agreement = PersistAgreement(
+            [t.name for t in self._persistent],
+            lambda: (not self._worker.busy, self._failure is None),
+            self._raise_failure,
+        )
+        """The persist view's part of each step's agreement (register it with a step driver)."""
 
     # ------------------------------------------------------------------ setup
-    def setup(self, group: Any = None) -> None:
-        """Bind tiers to this rank. Collective when ``torch.distributed`` is initialised (all ranks call it)."""
+    def setup(self, group: Any = None, *, side: SideGroup | None = None) -> None:
+        """Bind tiers to this rank. Collective when ``torch.distributed`` is initialised (all ranks call it).
+
+        Args:
+            group: the ranks to span (a process group; default all).
+            side: the side group to agree on (a view of a group shared with other components); default one of the
+                manager's own over ``group``.
+        """
         # a side group: our small agreements never interleave with the training collectives
-        self._group = SideGroup("checkpoint", self.config.collective_timeout, parent=group)
+        self._group = side or SideGroup("checkpoint", self.config.collective_timeout, parent=group)
         self.identity = TierIdentity(self._group.rank, self._group.world_size)
+        self.agreement.bind(self._group)
         for tier in self.tiers:
             tier.bind(self.identity)
+
+    def resync(self) -> None:
+        """Collective, off the step path (after a restore): agree on the steps every rank holds per persistent
+        tier, from which each step's persist view starts (:mod:`~lightning_resilience.checkpoint.persist_view`)."""
+        self.agreement.resync({t.name: t.list_steps() for t in self._persistent})
+
+    def _raise_failure(self, where: str) -> None:
+        """Every rank is here (an agreement said a persist failed somewhere): name the failed ranks, then raise."""
+        cause, self._failure = self._failure, None
+        try:  # off the step path: once, when a persist failed
+            ranks = self.agreement.failed_ranks(cause is not None)
+        except Exception as err:  # the error every rank raises below says what matters
+            ranks = f"unknown ranks ({err})"
+        raise CheckpointWorkerError(
+            f"a checkpoint persist failed on rank(s) [{ranks}]"
+            + (f" ({type(cause).__name__}: {cause})" if cause is not None else "")
+            + f"; every rank stops at {where}"
+        ) from cause
 
     @property
     def world_size(self) -> int:
@@ -136,7 +177,9 @@ class CheckpointManager:
     ) -> bool:
         """Snapshot ``state()`` if any tier wants ``step``; start a background persist if one is due.
 
-        Only the host copy (and, at a persist cadence, one small agreement) blocks the caller. Tensors for which
+        Whether a persist starts is agreed: by the view of the step's agreement when a step driver carries it
+        (:attr:`agreement`; nothing waits here), else by one small all-reduce now. Only the host copy blocks the
+        caller. Tensors for which
         ``overlap`` is true are copied in the background instead: they must stay unchanged until
         :meth:`wait_snapshot` returns (see :meth:`guard_optimizer`, which calls it before every optimizer step).
         Returns True when a snapshot was taken.
@@ -156,15 +199,18 @@ class CheckpointManager:
         start = self._clock()
         persist_now: list[Tier] = []
         protect: dict[str, int | None] = {}
+        view = self.agreement.take()
         if persist_due:
-            views = self._agree(persist_due, step)
-            protect = committed_everywhere([v[1] for v in views], [t.name for t in persist_due])
-            if any(v[0] for v in views):  # every rank defers together, so every rank persists the same steps
+            view = view if self.agreement.driven else self.agreement.agree_now(step)
+            names = [t.name for t in persist_due]
+            if view is None or not view.idle:  # every rank defers together, so every rank persists the same steps
                 for tier in persist_due:
                     self.stats.tiers[tier.name].deferred += 1
                 self._deferred = persist_due
             else:
                 persist_now, self._deferred = persist_due, []
+                protect = view.protect(names)
+                self.agreement.history.attempted(names, step)
         if memory_due or persist_now:
             flat = flatten_state(state(), warn=self._warn_once)
             slot = self._pool.capture(
@@ -199,19 +245,18 @@ class CheckpointManager:
             return
         idle = self.wait(hold_failure=True)
         self._deferred = []
-        views = self._agree(self._persistent, step, idle=idle)  # collective: before any rank-local early return
-        tier_views = [v[1] for v in views]
-        everyone_idle = not any(v[0] for v in views)
+        view = self.agreement.agree_now(step)  # collective: before any rank-local early return
 
         def wanted(tier: Tier) -> bool:
             if tier.collective:  # the same answer on every rank: all exchange, or none
-                return everyone_idle and missing_anywhere(tier_views, tier.name, step)
+                return view.idle and view.missing_anywhere(tier.name, step)
             return idle and step not in tier.list_steps()
 
         due = [t for t in self._persistent if wanted(t)]
         if not due:
             return
-        protect = committed_everywhere(tier_views, [t.name for t in due])
+        protect = view.protect([t.name for t in due])
+        self.agreement.history.attempted([t.name for t in due], step)
         slot = self._pool.capture(step, flatten_state(state(), warn=self._warn_once), self._meta(step, meta))
         self._worker.submit(partial(self._persist, slot, due, protect))  # takes over our slot reference
         if not self.wait():
@@ -280,27 +325,6 @@ class CheckpointManager:
             self._failure = self._failure or err
             return None
 
-    def _agree(
-        self, tiers: list[Tier], step: int, *, idle: bool | None = None
-    ) -> list[tuple[bool, dict[str, list[int]], bool]]:
-        """Collectively: per rank, whether it is busy (its worker running), its committed steps per tier, and
-        whether it holds a persist failure; a failure anywhere raises :class:`CheckpointWorkerError` on every rank."""
-        busy = self._worker.busy if idle is None else not idle
-        local = (busy, {t.name: t.list_steps() for t in tiers}, self._failure is not None)  # no network waits
-        views = cast(
-            list[tuple[bool, dict[str, list[int]], bool]],
-            self._group.all_gather_object(local, op="checkpoint.agree", step=step),
-        )
-        failed = [rank for rank, view in enumerate(views) if view[2]]
-        if failed:
-            cause, self._failure = self._failure, None
-            raise CheckpointWorkerError(
-                f"a checkpoint persist failed on rank(s) {failed}"
-                + (f" ({type(cause).__name__}: {cause})" if cause is not None else "")
-                + f"; every rank stops at the agreement of step {step}"
-            ) from cause
-        return views
-
     def _persist(self, slot: HostSnapshot, tiers: list[Tier], protect: dict[str, int | None]) -> list[_PersistResult]:
         """Runs on the worker thread: write the slot to each tier, then apply retention.
 
@@ -313,16 +337,19 @@ class CheckpointManager:
             snap = slot.view()
             for tier in tiers:
                 start = time.perf_counter()
+                deleted: list[int] = []
                 try:
                     written = tier.write(snap)
-                    apply_retention(tier, protect.get(tier.name))
+                    deleted = apply_retention(tier, protect.get(tier.name))
                 except OSError as err:
                     results.append(_PersistResult(tier.name, snap.step, 0, time.perf_counter() - start, err))
                     continue
                 except Exception as err:
                     unexpected = unexpected or err
                     continue
-                results.append(_PersistResult(tier.name, snap.step, written.nbytes, time.perf_counter() - start))
+                results.append(
+                    _PersistResult(tier.name, snap.step, written.nbytes, time.perf_counter() - start, deleted=deleted)
+                )
         finally:
             self._pool.release(slot)
         if unexpected is not None:
@@ -336,6 +363,7 @@ class CheckpointManager:
                 stats = self.stats.tiers[res.tier]
                 if res.error is None:
                     stats.record_write(res.step, res.nbytes, res.seconds)
+                    self.agreement.committed(res.tier, res.step, res.deleted)
                     continue
                 error = stats.record_failure(res.error)
                 log.warning(
@@ -391,7 +419,10 @@ class CheckpointManager:
             raise CheckpointWorkerError(f"persist still running after {self.config.drain_timeout}; cannot restore")
         tiers: list[Tier] = list(self._memory) if memory_only else self.tiers
         restore = CollectiveRestore(tiers, self._group, self.identity, self.config, self.stats, self._clock)
-        return restore.run(step, max_step, rebuild_dtensor, in_process=memory_only)
+        restored = restore.run(step, max_step, rebuild_dtensor, in_process=memory_only)
+        if not memory_only:
+            self.resync()  # every rank is here: the persist views start from what every rank now holds
+        return restored
 
     # --------------------------------------------------------------- teardown
     def close(self, timeout: timedelta | None = None) -> None:

@@ -6,7 +6,7 @@ Framework-free (torch and torch.distributed only); the Lightning adapter is
 
 from lightning_resilience.ft.ettr import AttemptRecord, EttrLedger, EttrReport
 from lightning_resilience.ft.heartbeat import RankMonitorBridge, connect_rank_monitor
-from lightning_resilience.ft.preemption import PreemptionNotice, connect_store
+from lightning_resilience.ft.preemption import PreemptionNotice
 from lightning_resilience.ft.rendezvous import attempt_store, restart_hazard
 from lightning_resilience.ft.restart import Attempt, FaultNote, current_attempt, read_fault_notes, write_fault_note
 from lightning_resilience.ft.watchdog import Hang, HangHandler, TimeoutCalibrator, Watchdog, dump_stacks
@@ -25,7 +25,6 @@ __all__ = [
     "Watchdog",
     "attempt_store",
     "connect_rank_monitor",
-    "connect_store",
     "current_attempt",
     "dump_stacks",
     "read_fault_notes",

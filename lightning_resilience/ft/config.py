@@ -60,8 +60,6 @@ class FaultToleranceConfig:
     ``hang`` setting must allow it too (``dump_and_exit``, the default)."""
     preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
     """Signals taken as a preemption notice: all ranks stop at an agreed step boundary, save and exit."""
-    store_timeout_s: float = 30.0
-    """Bound on every c10d store operation of the preemption agreement."""
     nvrx: NvrxMode = NvrxMode.auto
     """NVRx rank-monitor heartbeats and sections: 'auto' when launched by ft_launcher, 'off', or 'require'."""
     ledger_interval_s: float = 1.0
@@ -99,8 +97,6 @@ class FaultToleranceConfig:
                 )
             if name in ("SIGKILL", "SIGSTOP"):
                 raise ConfigError("ft", "preemption_signals", f"names {name}, which cannot be caught")
-        if not self.store_timeout_s > 0:
-            raise ConfigError("ft", "store_timeout_s", f"must be > 0, got {self.store_timeout_s}")
         self.nvrx = as_enum(NvrxMode, self.nvrx, "ft", "nvrx")
         if self.ledger_interval_s < 0:
             raise ConfigError("ft", "ledger_interval_s", f"must be >= 0, got {self.ledger_interval_s}")

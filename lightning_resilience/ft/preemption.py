@@ -1,86 +1,55 @@
-"""Preemption notices: a signal on any rank makes every rank stop at the same step boundary, without a collective.
+"""Preemption notices: a signal on any rank makes every rank stop at the same step boundary, with no extra wait.
 
-The signal handler only sets a flag. At the next step boundary the rank that got it publishes a stop step through the
-c10d key-value store (first writer wins, ``compare_set``); every rank checks the key at each boundary
-(``store.check``, one round trip to the store, no collective) and stops once it reaches the published step.
-
-Why ``step + 1``: data-parallel ranks run in lockstep (every optimizer step waits for the gradient all-reduce of all
-ranks), so when one rank is at boundary ``k`` no rank has passed boundary ``k + 1``, but a peer may already be past
-``k``. Every rank therefore stops at boundary ``k + 1``, and the key was written before any rank can get there.
+The signal handler only sets a flag. The flag is this rank's field of the next step's one agreement
+(:mod:`lightning_resilience.step`, reduced by OR): it is contributed at the start of the step after the signal and
+agreed by its end, where every rank stops together. A notice that arrives during step ``k`` therefore stops every
+rank at the end of step ``k + 1`` (one step later, with no store poll and no collective of its own), whatever rank
+got it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from types import FrameType
 from typing import Any
 
-import torch.distributed as dist
+from lightning_resilience.policy import Event, Verdict
+from lightning_resilience.step.agreement import Op
+from lightning_resilience.step.driver import Field
 
-__all__ = ["PreemptionNotice", "connect_store"]
+__all__ = ["PreemptionNotice"]
 
 log = logging.getLogger(__name__)
 
-_KEY = "stop_step"
-
-
-def connect_store(timeout: timedelta, namespace: str) -> tuple[dist.Store | None, str]:
-    """A client of the job's c10d store, in a key namespace of this attempt; None (and why) when there is none.
-
-    Prefers a new TCPStore client on ``MASTER_ADDR:MASTER_PORT`` (the store torchrun, ft_launcher and Lightning's
-    launchers set up); falls back to the default process group's store.
-    """
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    store: dist.Store | None = None
-    why = ""
-    if addr and port:
-        try:
-            store = dist.TCPStore(addr, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
-            why = f"TCPStore client of {addr}:{port}"
-        except (RuntimeError, ValueError) as err:
-            why = f"no TCPStore at {addr}:{port} ({err})"
-    if store is None and dist.is_available() and dist.is_initialized():
-        from torch.distributed import distributed_c10d
-
-        getter = getattr(distributed_c10d, "_get_default_store", None)
-        if getter is not None:
-            store = getter()
-            why = f"{why}; using the default process group's store".lstrip("; ")
-    if store is None:
-        return None, why or "no MASTER_ADDR/MASTER_PORT and no process group"
-    return dist.PrefixStore(f"lightning_resilience/ft/{namespace}/", store), why
-
 
 class PreemptionNotice:
-    """Turns a signal on any rank into one stop step agreed by all ranks.
+    """Turns a signal on any rank into one stop step agreed by all ranks (a step driver's contributor).
 
     Args:
         signals: signals taken as a notice (SIGTERM, SIGUSR1, ...).
-        store: the job's c10d store (namespaced per attempt), or None for a single process.
+        rank: this rank (named in the verdict).
         wall_clock: wall-clock seconds, for the time the notice arrived.
     """
 
     def __init__(
         self,
         signals: Sequence[signal.Signals],
-        store: dist.Store | None,
         *,
+        rank: int = 0,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.signals = list(signals)
-        self._store = store
+        self.rank = rank
         self._wall_clock = wall_clock
         self._received = threading.Event()
         self.received_signal: signal.Signals | None = None
         self.received_at: float | None = None
         self.stop_step: int | None = None
-        self.published = False
+        """The step boundary every rank stops at (None until agreed)."""
         self._previous: dict[signal.Signals, Any] = {}
 
     @property
@@ -116,25 +85,21 @@ class PreemptionNotice:
         """Record a notice as if ``sig`` had arrived (a scheduler API, a test)."""
         self._handle(int(sig), None)
 
-    def should_stop(self, step: int) -> bool:
-        """Called by every rank at every step boundary (after step ``step``): stop here?"""
-        if self.stop_step is None:
-            self.stop_step = self._poll(step)
-        return self.stop_step is not None and step >= self.stop_step
+    # ------------------------------------------------------------------ the step's agreement
+    def step_fields(self) -> list[Field]:
+        return [Field("ft.preemption", Op.OR)]
 
-    def _poll(self, step: int) -> int | None:
-        if self._store is None:  # one process: nobody to agree with
-            return step if self.received else None
-        if self.received and not self.published:
-            self.published = True
-            agreed = int(self._store.compare_set(_KEY, "", str(step + 1)))
-            log.warning(
-                "preemption notice (%s) at step %d: all ranks stop after step %d", self.received_signal, step, agreed
-            )
-            return agreed
-        try:
-            if self._store.check([_KEY]):
-                return int(self._store.get(_KEY))
-        except (RuntimeError, OSError) as err:  # a store that went away with a peer: the peer's loss ends the step
-            log.warning("preemption check at step %d could not reach the store: %s", step, err)
-        return None
+    def contribute(self, step: int) -> list[int]:
+        return [int(self.received)]
+
+    def agreed(self, step: int, values: Sequence[int]) -> list[Verdict]:
+        """Some rank got a notice: every rank stops at the end of this step (the first agreement holds)."""
+        if not values[0] or self.stop_step is not None:
+            return []
+        self.stop_step = step
+        here = (
+            f"{self.received_signal.name if self.received_signal else 'notice'} on this rank" if self.received else ""
+        )
+        detail = f"preemption notice{' (' + here + ')' if here else ' on another rank'}, agreed at step {step}"
+        log.warning("rank %d: %s; every rank stops at the end of this step", self.rank, detail)
+        return [Verdict(Event.PREEMPTION, step, self.rank, detail, "ft")]

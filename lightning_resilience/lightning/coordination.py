@@ -1,11 +1,13 @@
-"""The suite of one Trainer: how its resilience callbacks find each other, post verdicts, and act once.
+"""The suite of one Trainer: the step driver its callbacks register with, and what the driver's decisions do.
 
-Every callback of the suite attaches to ``Suite.of(trainer)`` in its ``setup``, by role (checkpoint, fault
-tolerance, straggler, SDC, policy, report), so the others reach it through a typed reference instead of scanning
-``trainer.callbacks``. Detectors post :class:`~lightning_resilience.policy.Verdict` s; when the last member (in
-the Trainer's callback order) has finished its ``on_train_batch_end``, the suite takes one collective decision
-and carries it out — checkpoint and stop, emergency save, stop for a rollback — in one place. The order of the
-callbacks in the list does not matter.
+Every callback of the suite joins ``Suite.of(trainer)`` in its ``setup`` (by role: checkpoint, fault tolerance,
+straggler, SDC, policy, report) and, at fit start, registers framework-free components with the one
+:class:`~lightning_resilience.step.driver.StepDriver`: contributors to the step's agreement, a snapshotter,
+finishers and bookkeepers. One callback of the suite's own, :class:`StepPath`, added to the Trainer at the first
+join and kept last, runs the driver: it issues the step's agreement at the batch start and runs the step end in
+its written order (finish, agree, act, snapshot, stop, bookkeeping) at the batch end. The order of the callbacks
+in the Trainer does not matter, and no callback calls or reads another. The suite is the driver's
+:class:`~lightning_resilience.step.driver.Actor`: it rolls back in place, persists and stops, and logs.
 
 The exit contract: when a decision stopped the job (or SDC found the state corrupt, whatever the policy did
 about it), the last member's ``teardown`` raises :class:`~lightning_resilience.exit_codes.DecidedExit` with the
@@ -21,10 +23,11 @@ import json
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -32,9 +35,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_resilience.collective import SideGroup
 from lightning_resilience.exit_codes import DecidedExit, ExitCode
-from lightning_resilience.lightning._metrics import log_host_metrics
+from lightning_resilience.lightning._members import CheckpointStore, Reporting
+from lightning_resilience.lightning._step_path import StepPath, act_for
 from lightning_resilience.lightning.rollback import InProcessRollback
-from lightning_resilience.policy import Action, Decision, Event, PolicyBus, PolicyConfig, Verdict
+from lightning_resilience.policy import Action, Decision, Event, PolicyConfig, Verdict
+from lightning_resilience.step.channels import Channels
+from lightning_resilience.step.driver import StepDriver
 
 if TYPE_CHECKING:
     from lightning_resilience.lightning.callbacks.fault_tolerance import FaultTolerance
@@ -43,7 +49,7 @@ if TYPE_CHECKING:
     from lightning_resilience.lightning.callbacks.straggler import StragglerDetection
     from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
 
-__all__ = ["RESTORE_BOUND_FILE", "Reporting", "RestoreBound", "Suite"]
+__all__ = ["RESTORE_BOUND_FILE", "CheckpointStore", "Reporting", "RestoreBound", "Suite"]
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +57,6 @@ RESTORE_BOUND_FILE = "restore_bound.json"
 """Written to the run directory when the state was found corrupt: the next attempt restores at most its step."""
 
 _NO_BOUND = 2**62
-
-
-class Reporting(Protocol):
-    """A member that contributes a section to the end-of-run report."""
-
-    report_section: str
-
-    def report(self) -> dict[str, Any]: ...
-
-    def summary(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -73,31 +69,37 @@ class RestoreBound:
 
 
 class Suite:
-    """The resilience callbacks attached to one Trainer, its policy bus, and the decision they led to."""
+    """The resilience callbacks attached to one Trainer, their step driver, and the decision they led to."""
 
     _registry: ClassVar[weakref.WeakKeyDictionary[Trainer, Suite]] = weakref.WeakKeyDictionary()
     report_section = "resilience_policy"
 
     def __init__(self) -> None:
+        # the members by role, for the user's own code (members reach each other only through the protocols)
         self.checkpoint: TieredCheckpoint | None = None
+        self.store: CheckpointStore | None = None
         self.fault_tolerance: FaultTolerance | None = None
         self.straggler: StragglerDetection | None = None
         self.sdc: SDCVerification | None = None
         self.policy: ResiliencePolicy | None = None
         self.reporters: list[Reporting] = []
         self._members: list[Callback] = []
-        self._order: list[Callback] | None = None
-        self._bus: PolicyBus | None = None
-        self._group: SideGroup | None = None
-        self.decision: Decision | None = None
-        """The decision that stopped the job (the first one that did), or None."""
+        self._path: StepPath | None = None
+        self._timeouts: list[timedelta] = []
+        self._policy_config: PolicyConfig | None = None
+        self._channels: Channels | None = None
+        self.driver: StepDriver | None = None
         self.corrupt: Verdict | None = None
         """The first verdict that found the training state corrupt in this fit, or None."""
         self.emergency_saved: int | None = None
-        self.rollback_pending = False
-        """An agreed verdict (SDC's, posted on every rank) asked for an in-process rollback at this step: the snapshot
-        of this step is not taken, it would hold the suspect state."""
+        self._rollback_pending = False
         self._rollback: InProcessRollback | None = None
+        self._rolled_back: list[Callable[[int, int], None]] = []
+        self._last_end: int | None = None
+        self.batch_idx = 0
+        self._record_dir: Path | None = None
+        self._trainer: weakref.ref[Trainer] | None = None
+        """The index of the batch the current step boundary follows (snapshot metadata)."""
         self._fit_over = False
 
     @classmethod
@@ -109,103 +111,105 @@ class Suite:
         return suite
 
     # ------------------------------------------------------------------ membership
-    def _join(self, member: Callback, reporting: Reporting | None) -> None:
+    def join(self, trainer: Trainer, role: str, member: Callback, *, timeout: timedelta | None = None) -> None:
+        """A member joins in its ``setup`` (every member before any ``on_fit_start``): ``role`` is one of
+        checkpoint, fault_tolerance, straggler, sdc, policy, report; ``timeout`` bounds its agreements."""
+        if self._path is None or self._path not in trainer.callbacks:  # type: ignore[attr-defined]
+            self._path = StepPath(self)
+            trainer.callbacks.append(self._path)  # type: ignore[attr-defined]
+        if role != "report":
+            current = getattr(self, role)
+            if current is not None and current is not member:
+                raise ValueError(
+                    f"the Trainer has two {role} callbacks ({type(current).__name__} and {type(member).__name__}): "
+                    "keep one (the suite enabled from the environment adds only what the Trainer lacks)"
+                )
+            setattr(self, role, member)
+        if self._fit_over:  # the Trainer fits again: a new attempt's decisions
+            self._reset()
         if member not in self._members:
             self._members.append(member)
-            self._order = None
-        if reporting is not None and reporting not in self.reporters:
-            self.reporters.append(reporting)
-        if self._fit_over:  # the Trainer fits again: a new attempt's decisions
-            self._fit_over = False
-            self._bus, self.decision, self.corrupt, self.emergency_saved = None, None, None, None
-            if self._rollback is not None:
-                self._rollback.close()
-            self._rollback, self.rollback_pending = None, False
+        if timeout is not None:
+            self._timeouts.append(timeout)
 
-    def attach_checkpoint(self, member: TieredCheckpoint) -> None:
-        self._claim("checkpoint", self.checkpoint, member)
-        self.checkpoint = member
-        self._join(member, None)
+    def set_policy(self, config: PolicyConfig) -> None:
+        self._policy_config = config
 
-    def attach_fault_tolerance(self, member: FaultTolerance) -> None:
-        self._claim("fault_tolerance", self.fault_tolerance, member)
-        self.fault_tolerance = member
-        self._join(member, member)
-
-    def attach_straggler(self, member: StragglerDetection) -> None:
-        self._claim("straggler", self.straggler, member)
-        self.straggler = member
-        self._join(member, member)
-
-    def attach_sdc(self, member: SDCVerification) -> None:
-        self._claim("sdc", self.sdc, member)
-        self.sdc = member
-        self._join(member, member)
-
-    def attach_policy(self, member: ResiliencePolicy) -> None:
-        self._claim("policy", self.policy, member)
-        self.policy = member
-        self._bus = None  # rebuilt with this member's mapping
-        self._join(member, None)  # the suite reports the policy's decisions itself
-
-    def attach_report(self, member: Callback) -> None:
-        self._join(member, None)
+    def set_store(self, store: CheckpointStore) -> None:
+        self.store = store
 
     def add_reporter(self, reporting: Reporting) -> None:
         """A component of your own contributes a section to the end-of-run report (call it from ``setup``)."""
         if reporting not in self.reporters:
             self.reporters.append(reporting)
 
-    @staticmethod
-    def _claim(role: str, current: Callback | None, member: Callback) -> None:
-        if current is not None and current is not member:
-            raise ValueError(
-                f"the Trainer has two {role} callbacks ({type(current).__name__} and {type(member).__name__}): "
-                "keep one (the suite enabled from the environment adds only what the Trainer lacks)"
-            )
+    def on_rolled_back(self, listener: Callable[[int, int], None]) -> None:
+        """``listener(restored_step, steps_lost)`` is called on every rank after each in-process rollback."""
+        self._rolled_back.append(listener)
 
-    # ------------------------------------------------------------------ policy
+    def _reset(self) -> None:
+        self._fit_over = False
+        self.corrupt, self.emergency_saved = None, None
+        if self._rollback is not None:
+            self._rollback.close()
+        self._rollback, self._rollback_pending = None, False
+        self._rolled_back = []
+        if self._channels is not None:
+            self._channels.close()
+        self._channels, self.driver, self._last_end = None, None, None
+
+    # ------------------------------------------------------------------ channels and driver
     @property
     def policy_config(self) -> PolicyConfig:
-        return self.policy.config if self.policy is not None else PolicyConfig()
+        return self._policy_config or PolicyConfig()
 
     def action_for(self, event: Event) -> Action:
         return Action(self.policy_config.action_for(event.value))
 
-    def side_group(self) -> SideGroup:
-        """The policy's side gloo group; made at its first use, which every rank reaches at the same point (the
-        restore bound at fit start, or the first decision), after every member attached."""
-        if self._group is None:
-            self._group = SideGroup("policy", timedelta(seconds=self.policy_config.timeout_s))
-        return self._group
+    def channels(self) -> Channels:
+        """The side groups and the step driver, made at the first call: every member calls it from
+        ``on_fit_start``, when every member has joined (collective: every rank gets there in the same order)."""
+        if self._channels is None:
+            policy = self.policy_config
+            self._channels = Channels(
+                self._timeouts, timedelta(seconds=policy.timeout_s), fanout=policy.agreement_fanout
+            )
+            self.driver = StepDriver(policy, self._channels.agreement)
+            self.driver.add_witness(self)
+            self.driver.add_bookkeeper(self)
+            self.driver.on_post(self._posted)
+        return self._channels
 
-    def bus(self, trainer: Trainer) -> PolicyBus:
-        if self._bus is None:
-            group = self.side_group()
+    def side(self, name: str, timeout: timedelta | None = None) -> SideGroup:
+        """A view of the suite's side group for the training thread's agreements off the step path."""
+        return self.channels().side(name, timeout or timedelta(seconds=self.policy_config.timeout_s))
 
-            def reduce_max(value: int) -> int:
-                return group.reduce_max(value, op="decide", step=trainer.global_step)
+    def the_driver(self) -> StepDriver:
+        self.channels()
+        assert self.driver is not None
+        return self.driver
 
-            self._bus = PolicyBus(self.policy_config, reduce_max)
-        return self._bus
-
-    def barrier(self, what: str) -> None:
-        """Collective: every rank has got here (bounded by the policy's timeout)."""
-        self.side_group().all_true(True, op=what)
-
-    def post(self, trainer: Trainer, verdict: Verdict, *, at_least: Action | None = None) -> Action:
-        """Record a detector's verdict (decided at this step's end); returns the action it will lead to.
+    # ------------------------------------------------------------------ posting
+    def post(
+        self, trainer: Trainer, verdict: Verdict, *, at_least: Action | None = None, agreed: bool = False
+    ) -> Action:
+        """Record a detector's verdict; returns the action it leads to. ``agreed``: every rank posts it at this
+        step (decided at this step's end); otherwise it is agreed in the next step's round and decided then.
 
         ``at_least`` raises the mapped action (e.g. SDC's ``stop_on_suspect``: never less than a rollback).
         """
-        action = self.bus(trainer).post(verdict, at_least=at_least)
+        self._trainer = weakref.ref(trainer)
+        return self.the_driver().post(verdict, at_least=at_least, agreed=agreed)
+
+    def _posted(self, verdict: Verdict, action: Action, agreed: bool) -> None:
         if action is Action.ROLLBACK_IN_PROCESS:
-            # SDC's verdicts are agreed (every rank posts them): only then may the snapshot be skipped, a persist due
-            # at this step is an agreement every rank must join
-            self.rollback_pending = self.rollback_pending or verdict.source == "sdc"
+            # the snapshot of this step would hold the state the rollback undoes (agreed verdicts only: then every
+            # rank skips it, and a persist due now is deferred alike)
+            self._rollback_pending = self._rollback_pending or agreed
         elif verdict.event in (Event.SDC_MISMATCH, Event.NONFINITE):
-            self.mark_corrupt(trainer, verdict)
-        return action
+            trainer = self._trainer() if self._trainer is not None else None
+            if trainer is not None:
+                self.mark_corrupt(trainer, verdict)
 
     def mark_corrupt(self, trainer: Trainer, verdict: Verdict) -> None:
         """The training state is corrupt (the first such verdict of the fit holds): exit code SDC at the end of
@@ -220,58 +224,60 @@ class Suite:
             self._rollback = InProcessRollback(self.policy_config.rollback)
         return self._rollback
 
-    # ------------------------------------------------------------------ step end
-    def _ordered(self, trainer: Trainer) -> list[Callback]:
-        if self._order is None:
-            position = {id(cb): i for i, cb in enumerate(trainer.callbacks)}  # type: ignore[attr-defined]
-            self._order = sorted(self._members, key=lambda m: position.get(id(m), len(position)))
-        return self._order
+    @property
+    def decision(self) -> Decision | None:
+        """The decision that stopped the job (the first one that did), or None."""
+        return self.driver.decision if self.driver is not None else None
 
-    def step_end(self, member: Callback, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Every member calls this at the end of its ``on_train_batch_end``; the last one decides for all."""
-        order = self._ordered(trainer)
-        if not order or member is not order[-1]:
-            return
-        decision = self.bus(trainer).decide(trainer.global_step)
-        self.rollback_pending = False
-        if decision is not None:
-            self._act(trainer, pl_module, decision)
+    # ------------------------------------------------------------------ the step path (run by StepPath)
+    def train_start(self, trainer: Trainer) -> None:
+        self._trainer = weakref.ref(trainer)
+        self.channels()  # made by a member's on_fit_start already, or here (every rank at the same point)
+        self._last_end = trainer.global_step
 
-    def _act(self, trainer: Trainer, pl_module: LightningModule, decision: Decision) -> None:
-        if decision.action is Action.ROLLBACK_IN_PROCESS and self.decision is None:
-            escalated = self.in_process().run(self, trainer, decision)
-            log_host_metrics(trainer, {"resilience/policy/action_severity": decision.action.severity})
-            if escalated is None:
-                return
-            decision = escalated
-        details = "; ".join(v.detail for v in decision.verdicts) or "(verdict posted on another rank)"
-        message = (
-            f"resilience policy at step {decision.step}: {decision.action.value} ({decision.event.value}: {details})"
-        )
-        log_host_metrics(trainer, {"resilience/policy/action_severity": decision.action.severity})
-        if not decision.action.stops:
-            if trainer.is_global_zero:
-                (log.warning if decision.action is Action.ALERT else log.info)(message)
+    def batch_start(self, trainer: Trainer) -> None:
+        """The step's round is issued (once per optimizer step)."""
+        if self.driver is not None:
+            self.driver.begin_step(trainer.global_step)
+
+    def batch_end(self, trainer: Trainer, pl_module: LightningModule, batch_idx: int) -> None:
+        """The driver's step end, at a step boundary (not between the micro-batches of one step)."""
+        step = trainer.global_step
+        if self.driver is None or step == self._last_end:
             return
-        if self.decision is not None:
-            return  # already stopping: the first decision holds
-        log.error(message)
-        self.decision = decision
-        if decision.action is Action.CHECKPOINT_AND_STOP:
-            self.persist_now(trainer, reason=decision.event.value)
-        elif decision.action is Action.EMERGENCY_SAVE_AND_EXIT and self.checkpoint is not None:
-            self.emergency_saved = self.checkpoint.emergency_save(collective=True)  # every rank is here
-        # ROLLBACK: nothing is saved (the state is corrupt); the restart restores at most the verified step
-        trainer.should_stop = True
+        self.batch_idx = batch_idx
+        self.driver.end_step(step, act_for(self, trainer, pl_module))
+        self._last_end = trainer.global_step  # a rollback moved it back
+
+    def train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Settle what was posted since the last round (one agreement, off the step path)."""
+        if self.driver is not None:
+            self.driver.settle(trainer.global_step, act_for(self, trainer, pl_module))
+
+    def abort(self) -> None:
+        """Training raised: stop the agreement thread (every member is being torn down)."""
+        if self._channels is not None:
+            self._channels.close()
+
+    def state_suspect(self) -> bool:
+        """The state is corrupt, or an agreed verdict is about to undo it: not worth a snapshot."""
+        return self.corrupt is not None or self._rollback_pending
+
+    def after_step(self, step: int, decision: Decision | None) -> None:
+        self._rollback_pending = False
 
     def persist_now(self, trainer: Trainer, *, reason: str) -> bool:
         """Collective: persist the current step to every persistent tier and wait (every rank at one boundary)."""
-        if self.checkpoint is None or self.checkpoint.manager is None:
+        if self.store is None:
             if trainer.is_global_zero:
                 log.warning("resilience: stopping without a checkpoint (no TieredCheckpoint in the Trainer)")
             return False
-        self.checkpoint.persist_now(trainer, {"reason": reason})
+        self.store.persist_now(trainer, {"reason": reason})
         return True
+
+    def rolled_back(self, restored: int, steps_lost: int) -> None:
+        for listener in self._rolled_back:
+            listener(restored, steps_lost)
 
     # ------------------------------------------------------------------ exit
     @property
@@ -283,20 +289,21 @@ class Suite:
             return ExitCode.SDC
         return ExitCode.OK
 
-    def fit_end(self, member: Callback, trainer: Trainer) -> None:
-        """Every member calls this at the end of its ``teardown``; the last one ends the process if decided."""
-        order = self._ordered(trainer)
-        if not order or member is not order[-1] or self._fit_over:
+    def fit_end(self, trainer: Trainer) -> None:
+        """After every member's ``teardown`` (StepPath is the last callback): end the process if decided."""
+        if self._fit_over:
             return
         self._fit_over = True
+        if self._channels is not None:
+            self._channels.close()
         code = self.exit_code
         if code is ExitCode.OK or not self.policy_config.exit_after_fit:
             return
-        cause = self.decision or self.corrupt
+        decision = self.decision
         reason = (
-            f"{self.decision.action.value} for {self.decision.event.value} at step {self.decision.step}"
-            if self.decision is not None
-            else f"corrupt state found at step {cause.step if cause else '?'}"
+            f"{decision.action.value} for {decision.event.value} at step {decision.step}"
+            if decision is not None
+            else f"corrupt state found at step {self.corrupt.step if self.corrupt else '?'}"
         )
         rank_zero_info(f"lightning_resilience: ending the process with exit code {int(code)} ({code.name}): {reason}")
         # the process group goes before interpreter exit: left to finalisation, gloo's threads can abort the process
@@ -305,11 +312,14 @@ class Suite:
         raise DecidedExit(code, reason)
 
     # ------------------------------------------------------------------ restore bound
+    def set_record_dir(self, path: str | os.PathLike[str]) -> None:
+        """Where the suite keeps records that outlive an attempt (a member's configured run directory)."""
+        self._record_dir = Path(path)
+
     def record_dir(self, trainer: Trainer) -> Path:
-        """Where the suite keeps records that outlive an attempt: SDC's run_dir, else <default_root_dir>/resilience."""
-        if self.sdc is not None and self.sdc.config.run_dir:
-            return Path(self.sdc.config.run_dir)
-        return Path(trainer.default_root_dir) / "resilience"
+        """Where the suite keeps records that outlive an attempt: the directory a member set (SDC's run_dir), else
+        <default_root_dir>/resilience."""
+        return self._record_dir or Path(trainer.default_root_dir) / "resilience"
 
     def _write_restore_bound(self, trainer: Trainer, verdict: Verdict) -> None:
         # every rank writes the same record: the run directory may be node-local
@@ -337,10 +347,14 @@ class Suite:
             log.error("restore bound %s unreadable (%s): restoring nothing newer than step 0", path, err)
             record = {"max_step": 0, "detected_at": -1, "reason": f"unreadable record: {err}"}
         local = int(record["max_step"]) if record else _NO_BOUND
-        agreed = self.side_group().reduce_min(local, op="restore_bound")
+        agreed = self.side("policy").reduce_min(local, op="restore_bound")
         if agreed == _NO_BOUND:
             return None
         return RestoreBound(agreed, int(record.get("detected_at", -1)), str(record.get("reason", "")))
+
+    def barrier(self, what: str) -> None:
+        """Collective: every rank has got here (bounded by the policy's timeout)."""
+        self.side("policy").all_true(True, op=what)
 
     def clear_restore_bound(self, trainer: Trainer) -> None:
         """After the suspect steps are gone on every rank (the caller's barrier): forget the bound."""
@@ -348,21 +362,26 @@ class Suite:
 
     # ------------------------------------------------------------------ report
     def report(self) -> dict[str, Any]:
-        out: dict[str, Any] = self._bus.report() if self._bus is not None else {"mapping": self.policy_config.mapping()}
+        bus = self.driver.bus if self.driver is not None else None
+        out: dict[str, Any] = bus.report() if bus is not None else {"mapping": self.policy_config.mapping()}
+        decision = self.decision
         out.update(
             exit_code=int(self.exit_code),
-            stopped_at_step=self.decision.step if self.decision else None,
-            stop_action=self.decision.action.value if self.decision else None,
+            stopped_at_step=decision.step if decision else None,
+            stop_action=decision.action.value if decision else None,
             corrupt_at_step=self.corrupt.step if self.corrupt else None,
             verified_step=self.corrupt.verified_step if self.corrupt else None,
             emergency_saved=self.emergency_saved,
         )
+        if self.driver is not None:
+            stats = self.driver.stats
+            out["step_path"] = {"steps": stats.steps, "ms_per_step": stats.per_step_ms(), "fields": self.driver.fields}
         if self._rollback is not None:
             out["rollback"] = self._rollback.report()
         return out
 
     def summary(self) -> str:
-        decisions = self._bus.decisions if self._bus is not None else []
+        decisions = self.driver.bus.decisions if self.driver is not None else []
         lines = [f"resilience policy: {self.policy_config.mapping()}; {len(decisions)} decision(s)"]
         for d in decisions:
             lines.append(f"  step {d.step}: {d.action.value} <- " + "; ".join(v.detail for v in d.verdicts))

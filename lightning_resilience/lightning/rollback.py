@@ -52,27 +52,24 @@ class InProcessRollback:
         """Collective (every rank calls it at the same step boundary). Returns the stopping decision it escalates to,
         or None when training goes on from the restored step."""
         start = time.perf_counter()
-        group = suite.side_group()
+        group = suite.side("rollback")
         mine = [v for v in decision.verdicts if suite.action_for(v.event) is Action.ROLLBACK_IN_PROCESS]
         local = min((_bad_step(v) for v in mine), default=_NONE)
         bad = group.reduce_min(local, op="rollback_bad_step", step=trainer.global_step)
         bad = min(bad, trainer.global_step - 1)  # at the latest, the batch that just ran
-        checkpoint = suite.checkpoint
-        manager = checkpoint.manager if checkpoint is not None else None
-        held = manager.memory_steps() if manager is not None else []
+        store = suite.store
+        held = store.memory_steps() if store is not None else []
         gathered = group.all_gather_object(held, op="rollback_steps", step=trainer.global_step)
         common = set.intersection(*(set(g) for g in gathered)) if gathered else set()
         plan = self.governor.plan(bad, trainer.global_step, common)
-        if plan.target is None or checkpoint is None or manager is None:
+        if plan.target is None or store is None:
             return self._stop_unrestored(suite, trainer, decision, plan)
-        restored = manager.restore(plan.target, memory_only=True)  # collective; raises if not loadable everywhere
-        assert restored is not None
+        restored = store.restore_memory(plan.target)  # collective; raises if not loadable everywhere
         # a device fault (SDC mismatch) is not the data's doing: its batch is trained on again
         skip = self.config.skip_batch and not plan.escalate and decision.event is not Event.SDC_MISMATCH
         skip_ahead = bad - plan.target if skip else None
-        skipped = checkpoint.rollback_to(trainer, restored, skip_ahead)
-        if suite.sdc is not None and suite.sdc.monitor is not None:
-            suite.sdc.monitor.rolled_back(plan.target)
+        skipped = store.rollback_to(trainer, restored, skip_ahead)
+        suite.rolled_back(plan.target, plan.detected_at - plan.target)
         indices = group.all_gather_object(skipped, op="rollback_quarantine", step=plan.target)
         record = RollbackRecord(
             cause=decision.event.value,
@@ -87,9 +84,6 @@ class InProcessRollback:
         )
         self.governor.record(record)
         self._write_record(suite, trainer, record)
-        ledger = suite.fault_tolerance.ledger if suite.fault_tolerance is not None else None
-        if ledger is not None:  # rank 0's ETTR ledger: the undone steps are recomputation
-            ledger.note_rollback(record.steps_lost)
         log_host_metrics(trainer, {"resilience/rollback/count": len(self.governor.records),
                                    "resilience/rollback/seconds": record.seconds})  # fmt: skip
         if plan.escalate:

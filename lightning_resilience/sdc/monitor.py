@@ -2,7 +2,9 @@
 tells it where a step begins, what the loss was, and when the optimizer is about to step and has stepped.
 
 Per step: guards (always on, local, cheap; their values reach the host without stalling the device, by default one
-step late) -> one collective flag on the side gloo group. At the replay cadence, or when a guard fired on any rank:
+step late) -> a few flags in the step's one agreement (:meth:`SDCMonitor.contribute` / :meth:`SDCMonitor.agreed`,
+carried by a step driver; a loop without one agrees at :meth:`SDCMonitor.begin_step`). At the replay cadence, or
+when a guard fired on any rank (known at the end of the step it was read in, so the next step is replayed):
 a replay round (self replay, partner replay of a neighbour's batch, more opinions until a vote
 decides) compares local pre-all-reduce gradients. A corrupt gradient caught this way is recomputed before the
 optimizer step. After the step, at its own cadence: cross-replica reconciliation of parameter and optimizer-state
@@ -27,9 +29,11 @@ from typing import Any
 import torch
 
 from lightning_resilience.collective import SideGroup
+from lightning_resilience.policy import Event, Verdict
 from lightning_resilience.sdc.config import SDCConfig
 from lightning_resilience.sdc.fingerprint import make_digest
 from lightning_resilience.sdc.guards import GuardReader, GuardReport, Guards, grad_norm, param_norm
+from lightning_resilience.sdc.late_guards import PARAM_GUARDS, LateGuards, count_fired
 from lightning_resilience.sdc.localize import Ballot
 from lightning_resilience.sdc.reconcile import ReplicaReconciler
 from lightning_resilience.sdc.replay import (
@@ -40,13 +44,13 @@ from lightning_resilience.sdc.replay import (
 )
 from lightning_resilience.sdc.rounds import ReplayRound
 from lightning_resilience.sdc.verdict import Diagnosis, SDCEvent
+from lightning_resilience.step.driver import Field
 
 __all__ = ["SDCMonitor", "SDCStats", "StepOutcome"]
 
 log = logging.getLogger(__name__)
 
-_PARAM_GUARDS = ("param_norm_jump", "nonfinite_param")
-"""Guards about stored state: a replay does not cover them, a reconciliation does."""
+_PARAM_GUARDS = PARAM_GUARDS
 
 
 @dataclass
@@ -138,7 +142,15 @@ class SDCMonitor:
         self._fired: list[GuardReport] = []
         """Guard reports (this rank's) that triggered this step's replay round."""
         self._guard_triggered = False
-        self._late_nonfinite = False
+        self._late_triggered = False
+        """A guard fired on some rank (agreed at the last step's end): the next step is replayed."""
+        self.late = LateGuards(self.guards, self.reader, self.stats.guard_fired)
+        self._next_fired: list[GuardReport] = []
+        """Those of the last agreed round: the next step's replay names them."""
+        self._committed: Callable[[], Iterable[int]] | None = None
+        self.driven = False
+        """A step driver carries the late guards in each step's agreement (:meth:`contribute`)."""
+        self._unagreed: list[Verdict] = []
         self.late_nonfinite_step: int | None = None
         """The earliest step (agreed by every rank) whose loss or gradients a late guard found non-finite this step:
         the state that step started from is the newest one not touched by it."""
@@ -149,9 +161,10 @@ class SDCMonitor:
         self._step_ok = True
 
     # ------------------------------------------------------------------ setup
-    def setup(self, group: Any = None) -> None:
-        """Find rank and world size; with several ranks create the side gloo group. Collective: all ranks call it."""
-        self._group = SideGroup("sdc", self.config.timeout, parent=group)
+    def setup(self, group: Any = None, *, side: SideGroup | None = None) -> None:
+        """Find rank and world size; with several ranks create the side gloo group (or use ``side``, a view of a
+        group shared with other components). Collective: all ranks call it."""
+        self._group = side or SideGroup("sdc", self.config.timeout, parent=group)
         self.rank, self.world_size = self._group.rank, self._group.world_size
         if self.world_size > 1:
             self.hosts = self._gather(socket.gethostname())
@@ -163,8 +176,9 @@ class SDCMonitor:
         ddp: torch.nn.parallel.DistributedDataParallel | None = None,
         synced_loss_fn: Callable[[Any], torch.Tensor] | None = None,
         to_device: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        committed: Callable[[], Iterable[int]] | None = None,
     ) -> None:
-        """Say how to recompute a step.
+        """Say how to recompute a step, and where verified steps are kept.
 
         Args:
             loss_fn: the step's forward on the unwrapped model, ``loss_fn(batch) -> loss``; replays call it without
@@ -174,7 +188,10 @@ class SDCMonitor:
             synced_loss_fn: the forward through the DDP wrapper, used to recompute a corrupt step with gradient
                 synchronisation (defaults to ``ddp(batch)``).
             to_device: moves a batch tensor received from another rank to this rank's device.
+            committed: the committed checkpoint steps a restart could restore (the newest verified one of them goes
+                in a non-finite verdict; collective like the verdict).
         """
+        self._committed = committed
         if self.world_size > 1 and ddp is None:
             raise ValueError("SDC replay across several ranks needs the DDP-wrapped model (attach(..., ddp=...))")
         no_sync = ddp.no_sync if ddp is not None else None
@@ -191,71 +208,66 @@ class SDCMonitor:
     def begin_step(self, step: int, batch: Any) -> None:
         """A step starts: ``step`` optimizer steps are done; keep a reference to the batch and the RNG state.
 
-        With a guard read lag, the guard values of earlier steps that reached the host are checked here and the
-        ranks agree (one small all-reduce on the side gloo group, host values) whether this step is replayed."""
+        With a guard read lag, a guard that fired on any rank (agreed in the previous step's agreement, see
+        :meth:`agreed`) makes this step's gradients replayed: no rank waits for another here."""
         self._step, self._batch, self._loss = step, batch, None
         self._rng = capture_rng()
         self._step_checked, self._step_ok = False, True
-        self._fired, self._late_nonfinite = [], False
-        fired = False
-        self.late_nonfinite_step = self.late_spike_step = None
-        if self.config.guards and self.reader.lag > 0:
-            fired, jumped, nonfinite = self._check_arrived()
-            fired, jumped, nonfinite, nonfinite_at, spike_at = self._agree_late(fired, jumped, nonfinite)
-            self._force_reconcile = self._force_reconcile or jumped
-            self._late_nonfinite = nonfinite
-            self.late_nonfinite_step, self.late_spike_step = nonfinite_at, spike_at
-        self._guard_triggered = fired and not self.dirty
+        self._unagreed = []
+        if not self.driven and self.step_fields():
+            # a loop without a step driver: the late guards are agreed now, in one all-reduce of five integers
+            self._unagreed = self.agreed(step, self.late.agree_now(self._group, step, self.late.read(step)))
+        self._fired, self._next_fired = self._next_fired, []
+        self._guard_triggered, self._late_triggered = self._late_triggered and not self.dirty, False
         if self._hook is not None:
             self._hook.reset()
             # digest buckets only when this step's gradients will be compared (with no lag a guard may ask at once)
             replay = self._guard_triggered or self._due(self.config.replay_every_n_steps)
             self._hook.enabled = replay or (self.config.guards and self.reader.lag == 0)
 
-    def _agree_late(
-        self, fired: bool, jumped: bool, nonfinite: bool
-    ) -> tuple[bool, bool, bool, int | None, int | None]:
-        """One all-reduce (MAX) of the late guards' flags and, negated, of the earliest step whose non-finite values
-        or spike any rank saw: every rank learns the same bad steps."""
-        nonfinite_at = [r.step for r in self._fired if any(f.startswith("nonfinite") for f in r.fired)]
-        spike_at = [r.step for r in self._fired if any(f.endswith("_spike") for f in r.fired)]
-        none = -(2**62)
-        values = [int(fired), int(jumped), int(nonfinite)]
-        values += [-min(nonfinite_at, default=-none), -min(spike_at, default=-none)]
-        if self.world_size > 1:
-            values = self._group.reduce_max_each(values, op="sdc.late_guards", step=self._step)
-        first_nonfinite = -values[3] if values[3] != none else None
-        first_spike = -values[4] if values[4] != none else None
-        return bool(values[0]), bool(values[1]), bool(values[2]), first_nonfinite, first_spike
+    # ------------------------------------------------------------------ the step's agreement
+    def step_fields(self) -> list[Field]:
+        """The late guards' part of each step's agreement (a step driver's contributor)."""
+        return self.late.fields() if self.config.guards and self.reader.lag > 0 else []
 
-    def _check_arrived(self) -> tuple[bool, bool, bool]:
-        """Check the staged guard values that reached the host: (a loss/gradient guard fired, a parameter guard
-        fired, a value was not finite). Reports that ask for no replay enter the baselines at once."""
-        fired = jumped = nonfinite = False
-        for report in self.reader.arrived():
-            self._count_fired(report)
-            step_guards = [f for f in report.fired if f not in _PARAM_GUARDS]
-            if report.replayed:  # the replay matched: a spike is genuine, but a non-finite update is applied
-                step_guards = [f for f in step_guards if f.startswith("nonfinite")]
-            state_guards = [f for f in report.fired if f in _PARAM_GUARDS]
-            if step_guards:
-                self._fired.append(report)
-                fired = True
-                nonfinite = nonfinite or any(f.startswith("nonfinite") for f in step_guards)
-            jumped = jumped or bool(state_guards)
-            if not step_guards:  # a parameter-norm jump is settled by the reconciliation it forces, not here
-                self.guards.accept(report)
-        self.stats.guard_forced_reads = self.reader.forced_reads
-        return fired, jumped, nonfinite
+    def contribute(self, step: int) -> list[int]:
+        """The guard values of earlier steps that reached the host, checked here (no device read, no wait)."""
+        self.driven = True
+        return self.late.read(step) if self.step_fields() else []
+
+    def agreed(self, step: int, values: Sequence[int]) -> list[Verdict]:
+        """What every rank's late guards said (the same on every rank): the next step is replayed when a guard fired
+        somewhere, the next reconciliation is forced by a parameter-norm jump, and a non-finite update or a spike
+        becomes a verdict naming its step (the newest state not touched by it)."""
+        if not values:
+            return []
+        found = self.late.agreed(step, values)
+        self._late_triggered, self._next_fired = found.fired, found.reports
+        self._force_reconcile = self._force_reconcile or found.jumped
+        self.late_nonfinite_step, self.late_spike_step = found.nonfinite_step, found.spike_step
+        verdicts: list[Verdict] = []
+        step += 1  # decided at the end of the step the round was issued at: the state after it
+        if found.nonfinite and not self.dirty and found.nonfinite_step is not None:
+            steps = sorted({r.step + 1 for r in found.reports if any(f.startswith("nonfinite") for f in r.fired)})
+            detail = (
+                f"non-finite loss or gradients at step {steps or '(another rank)'}, read {self.reader.lag} step(s) "
+                "late: the update is applied; roll back to a verified step"
+            )
+            self._record(
+                StepOutcome(step), SDCEvent(step, "guard:nonfinite", Diagnosis.ANOMALY, [], "rollback", detail)
+            )
+            self._step_ok, self.dirty = False, True
+            verified = self.rollback_target(self._committed()) if self._committed is not None else None
+            verdicts.append(Verdict(Event.NONFINITE, step, self.rank, detail, "sdc", verified, found.nonfinite_step))
+        if found.spike_step is not None and not self.dirty:
+            detail = f"loss or gradient-norm spike at step {found.spike_step}"
+            verdicts.append(Verdict(Event.SPIKE, step, self.rank, detail, "sdc", bad_step=found.spike_step))
+        return verdicts
 
     def _observe_guards(self, replayed: bool = False) -> GuardReport | None:
         pn = param_norm(self.params) if self._due(self.config.param_norm_every_n_steps) else None
         self._guard_report = self.reader.observe(self._step, self._loss, grad_norm(self.params), pn, replayed=replayed)
         return self._guard_report
-
-    def _count_fired(self, report: GuardReport) -> None:
-        for name in report.fired:
-            self.stats.guard_fired[name] = self.stats.guard_fired.get(name, 0) + 1
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         self._loss = loss.detach()
@@ -277,7 +289,7 @@ class SDCMonitor:
                 self._force_reconcile = True
             self._fired = [report] if fired else []
             self._guard_triggered = self._any(bool(fired))
-            self._count_fired(report)
+            count_fired(self.stats.guard_fired, report)
             self.stats.guard_seconds += self._clock() - start
         if self._hook is not None:
             self.stats.fingerprint_seconds = self._hook.seconds
@@ -292,16 +304,11 @@ class SDCMonitor:
             start = self._clock()
             self._observe_guards(replayed=replay and not out.needs_rollback)
             self.stats.guard_seconds += self._clock() - start
-        if self._late_nonfinite and not self.dirty:
-            # the non-finite loss or gradients of an earlier step were seen late: that update is already applied
-            steps = sorted({r.step + 1 for r in self._fired if any(f.startswith("nonfinite") for f in r.fired)})
-            detail = (
-                f"non-finite loss or gradients at step {steps or '(another rank)'}, read {self.reader.lag} step(s) "
-                "late: the update is applied; roll back to a verified step"
-            )
-            self._record(out, SDCEvent(out.step, "guard:nonfinite", Diagnosis.ANOMALY, [], "rollback", detail))
-            self._fail(out, [])
-            out.bad_step = self.late_nonfinite_step
+        for verdict in self._unagreed:  # without a step driver, a late non-finite update is this step's outcome
+            if verdict.event is Event.NONFINITE:
+                out.events.append(self.events[-1])
+                self._fail(out, [])
+                out.bad_step = verdict.bad_step
         return out
 
     def after_optimizer_step(self) -> StepOutcome:
@@ -406,8 +413,10 @@ class SDCMonitor:
     def rolled_back(self, step: int) -> None:
         """The state of ``step`` was restored in the running process (every rank alike): forget the later verdicts
         and verified steps and the guard values still on their way; events and baselines are kept."""
-        self.dirty, self._force_reconcile, self._late_nonfinite = False, False, False
+        self.dirty, self._force_reconcile, self._late_triggered = False, False, False
         self.late_nonfinite_step = self.late_spike_step = None
+        self._next_fired = []
+        self.late.clear()
         self.verified_steps = {s for s in self.verified_steps if s <= step} | {step}
         self.reader.clear()
 

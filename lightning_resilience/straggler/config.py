@@ -16,7 +16,6 @@ class LevelAction(StrEnum):
 
     log = "log"
     alert = "alert"
-    exclude = "exclude"
     stop = "stop"
 
 
@@ -39,8 +38,8 @@ class StragglerLevelConfig:
     """One rung of the action ladder: what to do once a confirmed straggler stays this slow for this long."""
 
     action: LevelAction
-    """'log' (a warning), 'alert' (a logged event and a metric), 'exclude' (call the user's exclusion hook), or
-    'stop' (checkpoint now and stop with the straggler exit code)."""
+    """'log' (a warning), 'alert' (a logged event and a metric), or 'stop' (checkpoint now and stop with the
+    straggler exit code)."""
     slowdown: float = 1.1
     """Slowdown factor (straggler time / reference time) at or above which this level counts a step."""
     persist_steps: int = 1
@@ -65,10 +64,12 @@ def _default_levels() -> list[StragglerLevelConfig]:
 class StragglerConfig:
     """Behaviour of the straggler detector: what it times, how often ranks compare, how it decides, what it does."""
 
-    gather_every_n_steps: int = 1
-    """Steps between two exchanges of timings across ranks (one small all-gather on a side gloo group). Each
-    exchange carries the per-section median of the steps since the previous one; detection latency in steps grows
-    with this cadence."""
+    gather_every_n_steps: int = 10
+    """Steps between two exchanges of timings. Each exchange carries every rank's timings of each step since the
+    previous one to rank 0 along the tree of the step agreement (off the training thread; never N records to every
+    rank), where they are scored step by step as if gathered every step. A verdict comes at most this many steps
+    (plus one) after the slow steps it rests on; rank 0 then posts what the ladder decided, and the next step's
+    agreement carries it to every rank."""
     warmup_steps: int = 5
     """Steps ignored at the start of a run (and after a resume): compilation, allocator and cache warm-up."""
     reference: Reference = Reference.median

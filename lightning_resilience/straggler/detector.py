@@ -1,9 +1,16 @@
 """StragglerDetector: per-rank timing, a bounded-cadence exchange of timings, change-point verdicts and the action
 ladder, with no framework dependency.
 
-Every rank runs the same detector. At each exchange the ranks all-gather one small record each (the median time per
-section since the previous exchange); every rank then runs the same deterministic computation on the same gathered
-records, so all ranks reach the same verdicts and decisions at the same step without any further collective.
+Every rank times its own steps. At each exchange (every ``gather_every_n_steps`` steps) every rank sends its timings
+of each step since the previous exchange; the scores, change points and the ladder then run step by step on the
+gathered records. Two ways to exchange:
+
+* along the tree of the step agreement to rank 0 alone (:meth:`StragglerDetector.with_tree`, what the Lightning
+  callback uses): issued without waiting, taken at a later step; rank 0 decides, and what it decides reaches the
+  other ranks through the policy in the next step's agreement. Nothing on a step grows with the number of ranks,
+  and no rank but rank 0 holds N records;
+* by an all-gather to every rank (``gather``, :meth:`StragglerDetector.from_process_group`): every rank runs the
+  same computation on the same records and reaches the same decisions at the same step.
 
 By default the tested series are each rank's ``compute`` (its step minus the collective waits the probes measure)
 and ``data`` (its wait for the next batch), scored against the other ranks; a job-wide slowdown (every rank's own
@@ -17,7 +24,6 @@ import logging
 import math
 import os
 import socket
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -31,10 +37,18 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_resilience.collective import SideGroup
+from lightning_resilience.step.agreement import Pending, TreeAgreement
 from lightning_resilience.straggler import presentation
 from lightning_resilience.straggler.config import StragglerConfig
 from lightning_resilience.straggler.episodes import Episodes
-from lightning_resilience.straggler.exchange import GatherFn, Payload, StragglerGatherError, gloo_gather
+from lightning_resilience.straggler.exchange import (
+    GatherFn,
+    Payload,
+    StragglerGatherError,
+    decode_payload,
+    encode_payload,
+    gloo_gather,
+)
 from lightning_resilience.straggler.kernels import KERNELS, NvrxKernelScores, open_kernel_scores
 from lightning_resilience.straggler.policy import ActionLadder, Escalation, StragglerFinding
 from lightning_resilience.straggler.probes import WaitProbe
@@ -71,13 +85,12 @@ class StragglerDetector:
         config: detection and ladder settings.
         rank: this rank.
         world_size: ranks in the job.
-        gather: all-gather of payloads (required when ``world_size > 1``); see :func:`gloo_gather`.
+        gather: all-gather of payloads (``world_size > 1`` needs it or ``tree``); see :func:`gloo_gather`.
+        tree: exchange along this agreement's tree to rank 0 instead (see :meth:`with_tree`).
         timer: step timer (default: CUDA events on a GPU when ``config.cuda_events``, else the wall clock).
         clock: host clock of the default timer (tests inject a fake one).
         hostname: this rank's node name (default: ``socket.gethostname()``).
         local_world_size: ranks per node (default: ``$LOCAL_WORLD_SIZE`` if set).
-        exclude_hook: called on every rank with the verdict when an ``exclude`` level fires (remove the rank,
-            rebalance the work); required if the ladder has such a level.
         kernel_scores: NVRx CUPTI kernel scores (default: opened when ``config.kernel_scores``).
     """
 
@@ -92,18 +105,18 @@ class StragglerDetector:
         clock: Callable[[], float] | None = None,
         hostname: str | None = None,
         local_world_size: int | None = None,
-        exclude_hook: Callable[[StragglerFinding], None] | None = None,
         kernel_scores: NvrxKernelScores | None = None,
+        tree: TreeAgreement | None = None,
     ) -> None:
         self.config = c = config or StragglerConfig()
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        if world_size > 1 and gather is None:
-            raise ValueError("a gather function is required with world_size > 1 (see gloo_gather)")
-        if any(lvl.action == "exclude" for lvl in c.levels) and exclude_hook is None:
-            raise ValueError("straggler.levels has an 'exclude' level but no exclude_hook was given")
+        if world_size > 1 and gather is None and tree is None:
+            raise ValueError("a gather function or a tree is required with world_size > 1 (see gloo_gather)")
         self.rank, self.world_size = rank, world_size
         self._gather = gather
+        self._tree = tree
+        self._inflight: Pending | None = None
         if timer is None:
             use_cuda = c.cuda_events and torch.cuda.is_available()
             timer = StepTimer(CudaEventSource() if use_cuda else None, clock=clock)
@@ -114,13 +127,13 @@ class StragglerDetector:
         self.local_world_size = local_world_size or (int(env_lws) if env_lws and env_lws.isdigit() else 0)
         self._kernels = kernel_scores if kernel_scores is not None else self._open_kernels()
         self.mode = "relative" if world_size > 1 and c.detect_on == "relative" else "individual"
-        self.episodes = Episodes(c, rank, exclude_hook)
+        self.episodes = Episodes(c, rank)
 
         tested = list(c.sections) if c.sections is not None else list(AUTO_SECTIONS)
         self.sections = tested + ([KERNELS] if self._kernels is not None else [])
         self._payload_sections = sorted({*tested, STEP, DATA, COMPUTE, WAIT})
         self.scoreboard = Scoreboard(self.sections, world_size, c, relative=self.mode == "relative")
-        self._buffer: list[dict[str, float]] = []
+        self._buffer: list[tuple[int, dict[str, float]]] = []
         self._ended = 0  # end_step calls (every rank makes the same number: it decides when to gather)
         self._last_step: int | None = None
         self._last_gather_step: int | None = None
@@ -143,6 +156,13 @@ class StragglerDetector:
             return cls(config, **kwargs)
         group = SideGroup("straggler", config.gather_timeout)
         return cls(config, rank=group.rank, world_size=group.world_size, gather=gloo_gather(group), **kwargs)
+
+    @classmethod
+    def with_tree(cls, config: StragglerConfig, tree: TreeAgreement, **kwargs: Any) -> StragglerDetector:
+        """A detector that sends its timings along ``tree`` (the step agreement's) to rank 0, which alone scores and
+        decides; nothing is created (not collective)."""
+        group = tree.group
+        return cls(config, rank=group.rank, world_size=group.world_size, tree=tree, **kwargs)
 
     def _open_kernels(self) -> NvrxKernelScores | None:
         return open_kernel_scores() if self.config.kernel_scores else None
@@ -202,40 +222,72 @@ class StragglerDetector:
     def end_step(self, step: int | None = None) -> list[Escalation]:
         """Close the step; at exchange steps exchange timings, update the verdicts and return the decisions taken.
 
-        Collective at exchange steps: every rank calls it the same number of times."""
+        With an all-gather, collective at exchange steps: every rank calls it the same number of times. Along a
+        tree, the exchange is issued here and taken at a later call (rank 0 decides; the others return nothing)."""
         self.timer.end_step()
         if self._kernels is not None:
             self._kernels.end()
         payload = self.prepare(step)
         decisions: list[Escalation] = []
-        if payload is not None:
+        if self._tree is not None:
+            decisions = self._take(wait=payload is not None)
+            if payload is not None:
+                self._inflight = self._tree.gather(encode_payload(payload), op="straggler.exchange", step=step)
+        elif payload is not None:
             assert self._last_step is not None
             decisions = self.consume(self._last_step, self._exchange(payload))
-        else:
-            self.last_decisions = []
+        self.last_decisions = decisions
         self.timer.mark_idle()  # the exchange and the scoring are not a wait for data
         return decisions
 
+    def _take(self, *, wait: bool) -> list[Escalation]:
+        """The exchange in flight, once it has arrived (or now, waiting, before the next is issued): rank 0 scores
+        every rank's timings; the other ranks have nothing to do."""
+        pending = self._inflight
+        if pending is None or not (wait or pending.done()):
+            return []
+        self._inflight = None
+        try:
+            gathered = pending.result()
+        except Exception as err:  # CollectiveError from the tree
+            raise StragglerGatherError(
+                f"straggler: exchange of step timings failed at step {pending.step} ({err}); a rank is hung, gone or "
+                f"more than {timedelta(seconds=self.config.gather_timeout_s)} behind",
+                op="straggler.exchange",
+                group="straggler",
+            ) from err
+        self.gather_seconds += time.perf_counter() - pending.issued
+        if not gathered:
+            return []
+        return self.consume(int(pending.step or 0), [decode_payload(body) for _, body in gathered])
+
     # ------------------------------------------------------------------ exchange
     def prepare(self, step: int | None = None) -> Payload | None:
-        """Count a finished step; at an exchange step, this rank's payload (else None). ``end_step`` = prepare +
-        gather + consume; simulations and tests call the three themselves."""
+        """Count a finished step; at an exchange step, this rank's payload (else None): its timings of every step
+        since the last exchange. ``end_step`` = prepare + exchange + consume; simulations call them themselves."""
         self._ended += 1
         self._last_step = self._ended if step is None else step
         records = self.timer.collect()
         warm = self._ended > self.config.warmup_steps
         if warm:
-            self._buffer.extend(records)
+            self._buffer.extend((self._last_step, r) for r in records)
         if not warm or (self._ended - self.config.warmup_steps) % self.config.gather_every_n_steps:
             return None
-        times: dict[str, float] = {}
-        for name in self._payload_sections:  # always the same keys (NaN: not timed), so the exchange is fixed-size
-            values = [r[name] for r in self._buffer if name in r]
-            times[name] = values[0] if len(values) == 1 else statistics.median(values) if values else math.nan
-        self._buffer = []
-        if self._kernels is not None:
-            times[KERNELS] = self._kernels.slowdown()
-        return {"rank": self.rank, "host": self.hostname, "local_world_size": self.local_world_size, "times": times}
+        buffer, self._buffer = self._buffer, []
+        kernels = self._kernels.slowdown() if self._kernels is not None else None
+        times = []
+        for _, record in buffer:  # always the same keys (NaN: not timed), so every record has the same shape
+            row = {name: float(record.get(name, math.nan)) for name in self._payload_sections}
+            if kernels is not None:
+                row[KERNELS] = kernels
+            times.append(row)
+        return {
+            "rank": self.rank,
+            "host": self.hostname,
+            "local_world_size": self.local_world_size,
+            "steps": [s for s, _ in buffer],
+            "times": times,
+        }
 
     def _exchange(self, payload: Payload) -> Sequence[Payload]:
         if self._gather is None:
@@ -254,22 +306,34 @@ class StragglerDetector:
         return gathered
 
     def consume(self, step: int, payloads: Sequence[Payload]) -> list[Escalation]:
-        """Update scores, change points and the ladder from every rank's payload; act on and return the decisions.
+        """Update scores, change points and the ladder from every rank's payload, one gathered step at a time; act
+        on and return the decisions.
 
         Deterministic in ``payloads``: ranks that consume the same payloads take the same decisions."""
         by_rank = sorted(payloads, key=lambda p: int(p["rank"]))
         if [int(p["rank"]) for p in by_rank] != list(range(self.world_size)):
             raise StragglerGatherError(f"straggler: expected one payload per rank 0..{self.world_size - 1}")
         self.gathers += 1
-        if self.gathers == 1:  # host names and ranks per node travel with the first exchange only
+        if self.gathers == 1:  # host names and ranks per node travel with every exchange; read once
             self._update_nodes(by_rank)
+        samples = min(len(p["times"]) for p in by_rank)
+        steps = list(by_rank[0].get("steps") or [])[:samples]
+        decisions: list[Escalation] = []
+        for j in range(samples):
+            at = int(steps[j]) if j < len(steps) else step
+            decisions += self._score(at, [p["times"][j] for p in by_rank])
+        decisions.sort(key=lambda d: (d.action.severity, d.verdict.rank))
+        self.episodes.act(decisions)
+        self.last_decisions = decisions
+        return decisions
+
+    def _score(self, step: int, rows: Sequence[dict[str, float]]) -> list[Escalation]:
+        """One gathered step: every rank's seconds per section."""
         previous = self._last_gather_step
         self._last_gather_step = step
-        column = {
-            name: np.array([float(p["times"].get(name, np.nan)) for p in by_rank]) for name in self._payload_sections
-        }
+        column = {name: np.array([float(r.get(name, np.nan)) for r in rows]) for name in self._payload_sections}
         if KERNELS in self.sections:
-            column[KERNELS] = np.array([float(p["times"].get(KERNELS, np.nan)) for p in by_rank])
+            column[KERNELS] = np.array([float(r.get(KERNELS, np.nan)) for r in rows])
         data = column[DATA]
         work = column[COMPUTE] + np.where(np.isnan(data), 0.0, data)  # no data wait measured (after a pause)
         self.history.append((step, {k: column[k].tolist() for k in (STEP, COMPUTE, DATA, WAIT)}))
@@ -286,9 +350,6 @@ class StragglerDetector:
                 i, rank, name, step, previous, events, board.cusum, score=series_score, nodes=self.nodes,
                 node_index=self.node_index,
             )  # fmt: skip
-        decisions.sort(key=lambda d: (d.action.severity, d.verdict.rank))
-        self.episodes.act(decisions)
-        self.last_decisions = decisions
         return decisions
 
     def _update_nodes(self, payloads: Sequence[Payload]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -28,13 +28,10 @@ class Episodes:
     Args:
         config: ``noise_level`` and the ladder's levels.
         rank: this rank (only rank 0 logs).
-        exclude_hook: called with the verdict when an 'exclude' level fires.
     """
 
-    def __init__(
-        self, config: StragglerConfig, rank: int, exclude_hook: Callable[[StragglerFinding], None] | None = None
-    ) -> None:
-        self.config, self.rank, self.exclude_hook = config, rank, exclude_hook
+    def __init__(self, config: StragglerConfig, rank: int) -> None:
+        self.config, self.rank = config, rank
         self.ladder = ActionLadder(config.levels)
         self.job_ladder = ActionLadder([lvl for lvl in config.levels if lvl.action in ("log", "alert")])
         self.verdicts: list[StragglerFinding] = []
@@ -126,9 +123,6 @@ class Episodes:
             elif decision.action is Action.ALERT:
                 if self.rank == 0:
                     log.error("straggler ALERT: %s (persisted %d steps)", verdict.describe(), decision.persist_steps)
-            elif decision.action is Action.EXCLUDE:
-                assert self.exclude_hook is not None  # checked at construction
-                self.exclude_hook(verdict)
             elif decision.action is Action.CHECKPOINT_AND_STOP:
                 if self.rank == 0:
                     log.error("straggler STOP: %s; checkpoint and stop: restart without it", verdict.describe())

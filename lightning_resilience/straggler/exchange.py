@@ -1,23 +1,32 @@
-"""The exchange of timings between ranks: one small all-gather per exchange over a side gloo group, from host values.
+"""The exchange of timings between ranks, from host values: never on the training process group (NCCL on GPUs),
+never a device tensor.
 
-Every rank contributes one :data:`Payload` and receives every rank's; the detector then computes the same verdicts
-on every rank from the same gathered records, so no further collective is needed to agree on them. The exchange
-never touches the training process group (NCCL on GPUs) and never reads a device tensor.
+Along the step agreement's tree (:meth:`~lightning_resilience.step.agreement.TreeAgreement.gather`), each rank's
+:data:`Payload` goes to rank 0 as JSON; or, for a detector used on its own, by an all-gather to every rank
+(:class:`GlooGather`), after which every rank computes the same verdicts from the same records.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
-from typing import Any
-
-import torch
+from typing import Any, cast
 
 from lightning_resilience.collective import CollectiveError, SideGroup
 
-__all__ = ["GatherFn", "GlooGather", "Payload", "StragglerGatherError", "gloo_gather"]
+__all__ = [
+    "GatherFn",
+    "GlooGather",
+    "Payload",
+    "StragglerGatherError",
+    "decode_payload",
+    "encode_payload",
+    "gloo_gather",
+]
 
 Payload = dict[str, Any]
-"""One rank's record for one exchange: ``{"rank", "host", "local_world_size", "times": {section: seconds}}``."""
+"""One rank's record for one exchange: ``{"rank", "host", "local_world_size", "steps": [step, ...], "times":
+[{section: seconds}, ...]}`` (one entry per step since the previous exchange)."""
 GatherFn = Callable[[Payload], Sequence[Payload]]
 """All-gather of one payload per rank; every rank gets every rank's payload."""
 
@@ -30,31 +39,27 @@ class StragglerGatherError(CollectiveError):
 
 class GlooGather:
     """All-gather of payloads over ``group`` (the detector's :class:`~lightning_resilience.collective.SideGroup`;
-    its timeout bounds every wait).
-
-    The first exchange all-gathers the whole payloads as objects (host names, ranks per node, section names); later
-    ones all-gather only a float64 tensor of the times, in the section order of the first exchange (the same on
-    every rank: it comes from the shared configuration). A payload whose sections differ from the first one's goes
-    back to objects; since every rank's sections come from the same configuration, all ranks take the same path.
-    """
+    its timeout bounds every wait): every rank gets every rank's payload."""
 
     def __init__(self, group: SideGroup) -> None:
         self.group = group
-        self._first: list[Payload] | None = None
-        self._keys: list[str] = []
 
     def __call__(self, payload: Payload) -> Sequence[Payload]:
-        keys = sorted(payload["times"])
-        if self._first is None or keys != self._keys:
-            out = self.group.all_gather_object(payload, op=OP)
-            if self._first is None:
-                self._first, self._keys = out, keys
-            return out
-        local = torch.tensor([float(payload["times"][k]) for k in keys], dtype=torch.float64)
-        parts = self.group.all_gather_tensor(local, op=OP)
-        return [{**first, "times": dict(zip(keys, part.tolist()))} for first, part in zip(self._first, parts)]
+        return cast(Sequence[Payload], self.group.all_gather_object(payload, op=OP))
 
 
 def gloo_gather(group: SideGroup) -> GatherFn:
     """An all-gather of payloads over ``group`` (a side gloo group); see :class:`GlooGather`."""
     return GlooGather(group)
+
+
+def encode_payload(payload: Payload) -> bytes:
+    """A payload as bytes for the tree exchange: JSON (plain values only; nothing is unpickled on the way back)."""
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+def decode_payload(data: bytes) -> Payload:
+    payload = json.loads(data)
+    if not isinstance(payload, dict) or "rank" not in payload or not isinstance(payload.get("times"), list):
+        raise StragglerGatherError("straggler: a malformed payload arrived in the exchange of timings")
+    return payload

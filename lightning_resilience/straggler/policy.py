@@ -4,8 +4,8 @@ Each level has a slowdown threshold and a persistence requirement (training step
 counts the steps whose current slowdown is at or above its threshold (a step below resets the count) and fires once
 the count reaches its persistence; each level fires at most once per episode.
 
-A level names an :class:`~lightning_resilience.policy.Action` of the suite's one vocabulary: 'log', 'alert',
-'exclude', or 'stop' (:attr:`Action.CHECKPOINT_AND_STOP`, which the detector posts to the policy).
+A level names an :class:`~lightning_resilience.policy.Action` of the suite's one vocabulary: 'log', 'alert' or
+'stop' (:attr:`Action.CHECKPOINT_AND_STOP`, which the detector posts to the policy).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ __all__ = ["LEVEL_ACTIONS", "ActionLadder", "Escalation", "StragglerFinding"]
 LEVEL_ACTIONS = {
     "log": Action.LOG,
     "alert": Action.ALERT,
-    "exclude": Action.EXCLUDE,
     "stop": Action.CHECKPOINT_AND_STOP,
 }
 """A ladder level's ``action`` setting -> the action it stands for."""

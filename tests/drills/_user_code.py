@@ -16,7 +16,7 @@ step K, in launch ``L`` (``--fault-launch``) on its first torchrun attempt only:
   before its optimizer step;
 * ``sigkill-restore``: ``sigkill``, then on the restarted attempt rank R is SIGKILLed while it reads its shard of
   the restored step (armed by the script that owns the tier);
-* ``hang-collective``: rank R blocks inside the policy's per-step agreement of step K + 1 (armed through the side
+* ``hang-collective``: rank R blocks inside the step agreement of step K + 1 (armed through the side
   groups' fault hook by the script); the other rank's deadline or the watchdog ends the attempt;
 * ``corrupt-shard`` / ``truncate-shard``: rank R flips bytes in (or cuts in half) the largest file of its newest
   committed shard on disk, then SIGKILLs itself; the restart must not load that step;

@@ -165,10 +165,10 @@ def arm_store_outage(args: argparse.Namespace, callbacks: list[Callback]) -> Non
 
 
 def arm_collective_hang(args: argparse.Namespace) -> None:
-    """Make this rank block inside the policy's per-step agreement once step ``--fault-step`` is done."""
+    """Make this rank block inside the step agreement of the step after ``--fault-step`` (its agreement thread)."""
 
     def hang(op: str, rank: int, step: int | None) -> None:
-        if op == "decide" and step == args.fault_step + 1:
+        if op == "step.agree" and step == args.fault_step + 1:
             record_fault(args.run_dir, kind="hang-collective", rank=rank, step=args.fault_step, damaged=None)
             print(f"DRILL: rank {rank} hangs in {op!r} of step {step}", flush=True)
             threading.Event().wait(HANG_LIMIT_S)

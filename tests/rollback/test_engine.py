@@ -124,12 +124,11 @@ def test_policy_defaults_roll_back_nonfinite_in_process_and_only_log_spikes() ->
 
 
 def test_one_rank_asking_for_an_in_process_rollback_decides_it_for_all() -> None:
-    # rank 1 saw a NaN, rank 0 nothing: the all-reduce (MAX) of their asks gives both ranks the rollback
-    asked: list[int] = []
-    rank1 = PolicyBus(PolicyConfig(), lambda v: asked.append(v) or v)
+    # rank 1 saw a NaN, rank 0 nothing: the agreement (MAX) of their asks gives both ranks the rollback
+    rank1, rank0 = PolicyBus(PolicyConfig()), PolicyBus(PolicyConfig())
     rank1.post(Verdict(Event.NONFINITE, 7, 1, "nan", bad_step=5))
-    rank0 = PolicyBus(PolicyConfig(), lambda v: max(v, *asked))
-    decisions = [rank1.decide(7), rank0.decide(7)]
+    agreed = max(rank1.contribute(), rank0.contribute())
+    decisions = [rank1.decide(7, agreed), rank0.decide(7, agreed)]
     for d in decisions:
         assert d is not None and (d.action, d.event) == (Action.ROLLBACK_IN_PROCESS, Event.NONFINITE)
         assert d.exit_code is ExitCode.OK  # the job goes on

@@ -159,12 +159,13 @@ def test_callbacks_pickle_for_spawn() -> None:
 
 class _SettlePersists(Callback):
     """Lets the in-flight persist finish before each persist step, so no persist is deferred to a later step on a
-    loaded machine (the test wants the local tier to hold exactly every third step)."""
+    loaded machine (the test wants the local tier to hold exactly every third step). Whether a persist is due at a
+    step's end is agreed from the views contributed at its start: the wait goes before that."""
 
     def __init__(self, every_n_steps: int) -> None:
         self.every_n_steps = every_n_steps
 
-    def on_train_batch_end(self, trainer, pl_module, *args) -> None:  # type: ignore[no-untyped-def]
+    def on_train_batch_start(self, trainer, pl_module, *args) -> None:  # type: ignore[no-untyped-def]
         if (trainer.global_step + 1) % self.every_n_steps == 0:
             checkpoint = Suite.of(trainer).checkpoint
             assert checkpoint is not None and checkpoint.manager is not None

@@ -113,10 +113,10 @@ def test_clean_run_has_no_verdict(trials: dict[str, list[dict[str, Any]]]) -> No
     assert results[0]["verdicts"] == [] and results[0]["decisions"] == [], _explain(results)
 
 
-def test_every_rank_reaches_the_same_verdicts_and_decisions(trials: dict[str, list[dict[str, Any]]]) -> None:
+def test_rank_0_alone_scores_and_decides(trials: dict[str, list[dict[str, Any]]]) -> None:
     for kind, results in trials.items():
-        assert results[0]["verdicts"] == results[1]["verdicts"], kind
-        assert results[0]["decisions"] == results[1]["decisions"], kind
+        # rank 0 scores every rank's timings; the others hold none (what it decides reaches them via the policy)
+        assert results[1]["verdicts"] == [] and results[1]["decisions"] == [], kind
         actions = [d["action"] for d in results[0]["decisions"]]
         assert set(actions) <= {"log", "alert"}, (kind, actions)  # the default ladder never stops
         assert actions or kind == "clean", kind

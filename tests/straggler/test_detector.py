@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lightning_resilience.policy import Action
-from lightning_resilience.straggler import StragglerDetector, StragglerFinding, StragglerGatherError
+from lightning_resilience.straggler import StragglerDetector, StragglerGatherError
 from lightning_resilience.straggler.config import StragglerConfig, StragglerLevelConfig
 from tests.straggler._sim import Cluster, FakeClock, jitter_cost
 
@@ -85,23 +85,33 @@ def test_user_section_names_the_rank_when_the_step_is_equalised() -> None:
     assert "forward" in sections and all(v.rank == 0 for v in cluster.verdicts)
 
 
-def test_exclude_hook_is_called_on_every_rank() -> None:
-    calls: list[tuple[int, StragglerFinding]] = []
-    levels = [StragglerLevelConfig(action="exclude", slowdown=1.2, persist_steps=3)]
-    with pytest.raises(ValueError, match="no exclude_hook"):
-        StragglerDetector(StragglerConfig(levels=levels))
-    cluster = Cluster(2, StragglerConfig(levels=levels), exclude_hook=lambda v: calls.append((v.rank, v)))
-    cluster.run(80, jitter_cost(4, slow_rank=1, factor=1.5, onset=40))
-    assert [rank for rank, _ in calls] == [1, 1]  # once per detector (two ranks), naming rank 1
+def test_an_exclude_level_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"straggler\.levels\.action"):
+        StragglerLevelConfig(action="exclude", slowdown=1.2, persist_steps=3)
 
 
 def test_gather_cadence_limits_exchanges_and_still_detects() -> None:
-    cluster = Cluster(4, StragglerConfig(gather_every_n_steps=4, warmup_steps=2))
+    cluster = Cluster(4, StragglerConfig(warmup_steps=2), gather_every=4)
     cluster.run(42, jitter_cost(6))
     assert cluster.detectors[0].gathers == (42 - 2) // 4
     cluster.run(60, jitter_cost(7, slow_rank=3, factor=1.5, onset=42))
     (v,) = cluster.verdicts
-    assert v.rank == 3 and 42 <= v.step <= 42 + 4 * 6
+    assert v.rank == 3 and 42 <= v.step <= 42 + 6
+
+
+def test_a_cadence_delays_the_decisions_but_scores_every_step_alike() -> None:
+    """Exchanging every 10 steps carries each step's timings: the same verdicts at the same steps as exchanging
+    every step, reported at most one cadence later."""
+    runs = {}
+    for every in (1, 10):
+        cluster = Cluster(4, StragglerConfig(levels=STOP_LADDER), gather_every=every)
+        cluster.run(120, jitter_cost(3, slow_rank=2, factor=1.5, onset=50))
+        runs[every] = cluster
+    assert [v.to_dict() for v in runs[10].verdicts] == [v.to_dict() for v in runs[1].verdicts]
+    each, batched = runs[1].decisions[0], runs[10].decisions[0]
+    assert [d.to_dict() for _, d in batched] == [d.to_dict() for _, d in each]
+    for (reported, _), (decided, _) in zip(batched, each):
+        assert decided <= reported < decided + 10
 
 
 def test_single_rank_uses_its_own_history() -> None:
@@ -137,11 +147,12 @@ def test_gather_failure_is_a_named_error() -> None:
     def broken(payload: dict) -> list:
         raise RuntimeError("connection reset by peer")
 
-    det = StragglerDetector(StragglerConfig(warmup_steps=0), rank=0, world_size=2, gather=broken, clock=FakeClock())
+    config = StragglerConfig(warmup_steps=0, gather_every_n_steps=1)
+    det = StragglerDetector(config, rank=0, world_size=2, gather=broken, clock=FakeClock())
     det.start_step()
     with pytest.raises(StragglerGatherError, match="a rank is hung, gone"):
         det.end_step(0)
-    with pytest.raises(ValueError, match="gather function is required"):
+    with pytest.raises(ValueError, match="gather function or a tree is required"):
         StragglerDetector(world_size=2, rank=0)
 
 

@@ -12,19 +12,18 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_resilience.checkpoint.manager import CheckpointStats
-from lightning_resilience.checkpoint.memory import MemoryTier
+from lightning_resilience.checkpoint.stats import CheckpointStats
 from lightning_resilience.exit_codes import DecidedExit
 from lightning_resilience.ft.config import FaultToleranceConfig
 from lightning_resilience.ft.ettr import EttrLedger, EttrReport
 from lightning_resilience.ft.heartbeat import RankMonitorBridge, connect_rank_monitor
-from lightning_resilience.ft.preemption import PreemptionNotice, connect_store
+from lightning_resilience.ft.preemption import PreemptionNotice
 from lightning_resilience.ft.rendezvous import restart_hazard
 from lightning_resilience.ft.restart import Attempt, FaultNote, current_attempt, write_fault_note
 from lightning_resilience.ft.watchdog import OUT_OF_SECTION, Hang, HangHandler, TimeoutCalibrator, Watchdog
 from lightning_resilience.lightning._metrics import log_host_metrics, logging_step
 from lightning_resilience.lightning.coordination import Suite
-from lightning_resilience.policy import Action, Event, Verdict
+from lightning_resilience.policy import Action, Decision, Event
 
 __all__ = ["FaultTolerance"]
 
@@ -87,13 +86,15 @@ class FaultTolerance(Callback):
         self._suite: Suite | None = None
         self._hang_handler: HangHandler | None = None
         self._started_training = False
-        self._last_step = -1
         self._boundaries = 0
+        self._trainer: Trainer | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # spawn launchers pickle callbacks: threads, sockets, stores and open files are per process
         state = self.__dict__.copy()
-        state.update(watchdog=None, monitor=None, preemption=None, ledger=None, _suite=None, _hang_handler=None)
+        state.update(
+            watchdog=None, monitor=None, preemption=None, ledger=None, _suite=None, _hang_handler=None, _trainer=None
+        )
         return state
 
     def _new_calibrator(self) -> TimeoutCalibrator:
@@ -126,7 +127,7 @@ class FaultTolerance(Callback):
             return
         cfg = self.config
         # a callback reused for another fit starts a new attempt (its calibration is kept)
-        self._started_training, self._last_step, self._boundaries = False, -1, 0
+        self._started_training, self._boundaries = False, 0
         self.preempted_at = self.emergency_saved = None
         self.exception = None
         self.run_dir = Path(cfg.run_dir) if cfg.run_dir else Path(trainer.default_root_dir) / "resilience"
@@ -135,7 +136,8 @@ class FaultTolerance(Callback):
         if hazard and trainer.is_global_zero:  # said before training, not after the first restart hangs
             log.warning(hazard)
         self._suite = Suite.of(trainer)
-        self._suite.attach_fault_tolerance(self)
+        self._suite.join(trainer, "fault_tolerance", self)
+        self._suite.add_reporter(self)
         self._hang_handler = HangHandler(
             self.run_dir,
             trainer.global_rank,
@@ -152,13 +154,8 @@ class FaultTolerance(Callback):
         if self.monitor is not None:
             self.monitor.load_state_dict(self._nvrx_state)
             self.monitor.start_section("setup")
-        store = None
-        if trainer.world_size > 1:
-            namespace = f"{self.attempt.job_id or 'job'}/{self.attempt.restart_count}"
-            store, why = connect_store(timedelta(seconds=cfg.store_timeout_s), namespace)
-            if store is None:
-                log.warning("preemption notices stay rank-local: %s", why)
-        self.preemption = PreemptionNotice(cfg.signals, store)
+        self.preemption = PreemptionNotice(cfg.signals, rank=trainer.global_rank)
+        self._trainer = trainer
         if trainer.is_global_zero:
             self.ledger = EttrLedger(self.run_dir, interval_s=cfg.ledger_interval_s)
             self.ledger.begin_attempt(
@@ -171,9 +168,20 @@ class FaultTolerance(Callback):
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # every member has attached by now: the policy's mapping is known
-        if self._suite is not None and self._hang_handler is not None:
+        if self._suite is None:
+            return
+        if self._hang_handler is not None:
             exits = self._suite.action_for(Event.HANG) is Action.DUMP_AND_EXIT
             self._hang_handler.exit = self.config.exit_on_hang and exits
+        driver = self._suite.the_driver()
+        assert self.preemption is not None
+        driver.add_contributor(self.preemption)  # a notice travels in each step's agreement
+        driver.add_bookkeeper(self)
+        self._suite.on_rolled_back(self._rolled_back)
+
+    def _rolled_back(self, step: int, steps_lost: int) -> None:
+        if self.ledger is not None:  # rank 0's ETTR ledger: the undone steps are recomputation
+            self.ledger.note_rollback(steps_lost)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -208,21 +216,20 @@ class FaultTolerance(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._batch_end(trainer, pl_module)
-        if self._suite is not None:
-            self._suite.step_end(self, trainer, pl_module)
-
-    def _batch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.watchdog is None:
             return
-        step = trainer.global_step
-        self.watchdog.switch(OUT_OF_SECTION, step)
+        self.watchdog.switch(OUT_OF_SECTION, trainer.global_step)
         if self.monitor is not None:
             self.monitor.end_section("step")
             self.monitor.heartbeat()
-        if step == self._last_step:  # mid gradient accumulation: not a step boundary
+
+    def after_step(self, step: int, decision: Decision | None) -> None:
+        """The step driver's bookkeeping phase: the ledger, NVRx calibration, a preemption's stop step, metrics."""
+        trainer = self._trainer
+        if self.watchdog is None or trainer is None:
             return
-        self._last_step = step
+        if decision is not None and decision.event is Event.PREEMPTION and self.preempted_at is None:
+            self.preempted_at = decision.step  # agreed by every rank: the policy decided at this boundary
         if self.ledger is not None:
             self.ledger.heartbeat(
                 step, checkpoint_blocking_s=self._checkpoint_blocking(trainer), persisted=self._persisted(trainer)
@@ -230,12 +237,6 @@ class FaultTolerance(Callback):
         self._boundaries += 1
         if self.monitor is not None and not self.monitor.calibrated and self._boundaries > self.config.warmup_steps:
             self.monitor.calibrate()  # collective inside NVRx: every rank reaches this same step
-        assert self.preemption is not None and self._suite is not None
-        if self.preempted_at is None and self.preemption.should_stop(step):
-            self.preempted_at = step  # agreed by every rank: the policy decides at this same boundary
-            detail = f"preemption notice{' on this rank' if self.preemption.received else ''}, agreed at step {step}"
-            action = self._suite.post(trainer, Verdict(Event.PREEMPTION, step, trainer.global_rank, detail, "ft"))
-            log.warning("rank %d: %s -> %s", trainer.global_rank, detail, action.value)
         if logging_step(trainer):
             log_host_metrics(trainer, self._metrics())
 
@@ -264,7 +265,7 @@ class FaultTolerance(Callback):
             return
         assert self._suite is not None
         self.emergency_saved = self._suite.emergency_saved  # saved by the suite when it decided
-        if self._suite.checkpoint is None:
+        if self._suite.store is None:
             log.error("preemption notice handled without a TieredCheckpoint: nothing saved")
         assert self.preemption is not None and self.attempt is not None and self.run_dir is not None
         note = FaultNote(
@@ -318,8 +319,6 @@ class FaultTolerance(Callback):
         if self.ledger is not None and self.ledger.current is not None and self.ledger.current.end_reason is None:
             self.ledger.heartbeat(trainer.global_step, checkpoint_blocking_s=self._checkpoint_blocking(trainer))
             self.ledger.end_attempt("finished")
-        if self._suite is not None:
-            self._suite.fit_end(self, trainer)
 
     def _shutdown(self) -> None:
         if self.watchdog is not None:
@@ -349,8 +348,8 @@ class FaultTolerance(Callback):
 
     # ------------------------------------------------------------------ report
     def _checkpoint_stats(self) -> CheckpointStats | None:
-        checkpoint = self._suite.checkpoint if self._suite is not None else None
-        return checkpoint.manager.stats if checkpoint is not None and checkpoint.manager is not None else None
+        store = self._suite.store if self._suite is not None else None
+        return store.stats if store is not None else None
 
     def _checkpoint_blocking(self, trainer: Trainer) -> float | None:
         stats = self._checkpoint_stats()
@@ -358,11 +357,8 @@ class FaultTolerance(Callback):
 
     def _persisted(self, trainer: Trainer) -> dict[str, int | None]:
         """The newest committed step of each persistent (non-RAM) checkpoint tier."""
-        checkpoint = self._suite.checkpoint if self._suite is not None else None
-        if checkpoint is None or checkpoint.manager is None:
-            return {}
-        stats = checkpoint.manager.stats.tiers
-        return {t.name: stats[t.name].last_step for t in checkpoint.manager.tiers if not isinstance(t, MemoryTier)}
+        store = self._suite.store if self._suite is not None else None
+        return store.persisted_steps() if store is not None else {}
 
     def ettr(self) -> EttrReport | None:
         """Time accounting so far (global rank 0 only; None elsewhere)."""

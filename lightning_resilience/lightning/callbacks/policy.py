@@ -1,13 +1,15 @@
 """ResiliencePolicy: the event -> action mapping of the Trainer's suite, and its section of the report.
 
 Every Trainer with one of our callbacks has one policy: detectors post their verdicts to the suite
-(:class:`~lightning_resilience.lightning.coordination.Suite`), which takes one collective decision per step and
-carries it out. Without this callback the mapping is :class:`PolicyConfig`'s defaults; with it, the mapping is
-yours (e.g. ``PolicyConfig(straggler="alert")`` never stops the job for a slow rank).
+(:class:`~lightning_resilience.lightning.coordination.Suite`), whose step driver agrees on them in each step's one
+agreement and carries the decision out, every rank alike. Without this callback the mapping is
+:class:`PolicyConfig`'s defaults; with it, the mapping is yours (e.g. ``PolicyConfig(straggler="alert")`` never
+stops the job for a slow rank).
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -56,7 +58,8 @@ class ResiliencePolicy(Callback):
         return corrupt.verified_step if corrupt is not None else None
 
     def post(self, event: Event, step: int, rank: int, detail: str, *, source: str = "") -> Action:
-        """Post a verdict of your own detector (decided with the others at this step's end)."""
+        """Post a verdict of your own detector: agreed with every rank in the next step's agreement and decided at
+        that step's end (one step later), whatever rank posted it."""
         if self._suite is None or self._trainer is None:
             raise RuntimeError("ResiliencePolicy.post before setup: attach the callback to the Trainer")
         return self._suite.post(self._trainer, Verdict(event, step, rank, detail, source))
@@ -68,19 +71,8 @@ class ResiliencePolicy(Callback):
             return
         self._trainer = trainer
         self._suite = Suite.of(trainer)
-        self._suite.attach_policy(self)
-
-    @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self._suite is not None:
-            self._suite.step_end(self, trainer, pl_module)
-
-    @override
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit" and self._suite is not None:
-            self._suite.fit_end(self, trainer)
+        self._suite.join(trainer, "policy", self, timeout=timedelta(seconds=self.config.timeout_s))
+        self._suite.set_policy(self.config)
 
     # ----------------------------------------------------------------- report
     def summary(self) -> str:

@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_resilience.exit_codes import DecidedExit
 from lightning_resilience.lightning.coordination import Reporting, Suite
-from lightning_resilience.report import ResilienceReport, assemble, checkpoint_section, write_report
+from lightning_resilience.report import ResilienceReport, assemble, write_report
 
 __all__ = ["ResilienceReportCallback"]
 
@@ -82,7 +82,7 @@ class ResilienceReportCallback(Callback):
         self._step_seconds, self._timeline, self._mark, self._written = [], [], None, False
         self._window = []
         self._suite = Suite.of(trainer)
-        self._suite.attach_report(self)
+        self._suite.join(trainer, "report", self)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -122,23 +122,11 @@ class ResilienceReportCallback(Callback):
         self._window = []
 
     @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self._suite is not None:
-            self._suite.step_end(self, trainer, pl_module)
-
-    @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         status = "finished"
         if self._suite is not None and self._suite.exit_code:
             status = f"stopped: exit code {int(self._suite.exit_code)} ({self._suite.exit_code.name})"
         self._finish(trainer, status)
-
-    @override
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit" and self._suite is not None:
-            self._suite.fit_end(self, trainer)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -151,10 +139,10 @@ class ResilienceReportCallback(Callback):
 
     def _checkpoint_counters(self) -> tuple[float, int]:
         """Seconds checkpointing has blocked the loop so far, and snapshots taken."""
-        checkpoint = self._suite.checkpoint if self._suite is not None else None
-        if checkpoint is None or checkpoint.manager is None:
+        store = self._suite.store if self._suite is not None else None
+        if store is None:
             return 0.0, 0
-        return checkpoint.manager.stats.capture_seconds, checkpoint.manager.stats.captures
+        return store.stats.capture_seconds, store.stats.captures
 
     # ------------------------------------------------------------------ report
     def _finish(self, trainer: Trainer, status: str) -> None:
@@ -188,15 +176,9 @@ class ResilienceReportCallback(Callback):
         sections: dict[str, dict[str, Any]] = {}
         summaries: dict[str, str] = {}
         suite = self._suite or Suite.of(trainer)
-        checkpoint = suite.checkpoint
-        if checkpoint is not None and checkpoint.manager is not None:
-            sections["checkpoint"] = checkpoint_section(
-                checkpoint.manager.stats,
-                checkpoint.manager.tiers,
-                restores=checkpoint.restores,
-                blocking_timeline=self._timeline,
-            )
-            summaries["checkpoint"] = checkpoint.summary()
+        if suite.store is not None:
+            sections["checkpoint"] = suite.store.report_section(blocking_timeline=self._timeline)
+            summaries["checkpoint"] = suite.store.summary()
         reporters: list[Reporting] = [*suite.reporters, suite]
         for member in reporters:
             name = member.report_section

@@ -20,7 +20,7 @@ from typing_extensions import override
 from lightning_resilience.exit_codes import ExitCode
 from lightning_resilience.lightning._metrics import log_host_metrics, logging_step
 from lightning_resilience.lightning.coordination import Suite
-from lightning_resilience.policy import Action, Event, Verdict
+from lightning_resilience.policy import Action, Decision, Event, Verdict
 from lightning_resilience.sdc.config import SDCConfig
 from lightning_resilience.sdc.monitor import SDCMonitor, SDCStats, StepOutcome
 from lightning_resilience.sdc.verdict import Diagnosis, SDCEvent
@@ -90,18 +90,22 @@ class SDCVerification(Callback):
         if stage != "fit":
             return
         self.monitor = SDCMonitor(list(pl_module.named_parameters()), [], self.config)
-        self.monitor.setup()  # collective over the job's ranks: every rank runs setup
         self.stopped, self.rollback_step = False, None
         self._suite = Suite.of(trainer)
-        self._suite.attach_sdc(self)
+        self._suite.join(trainer, "sdc", self, timeout=self.config.timeout)
+        self._suite.add_reporter(self)
+        if self.config.run_dir:
+            self._suite.set_record_dir(self.config.run_dir)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        assert self.monitor is not None
+        assert self.monitor is not None and self._suite is not None
         if not pl_module.automatic_optimization or trainer.accumulate_grad_batches != 1:
             raise ValueError("SDCVerification replays one optimizer step per batch: use automatic optimization "
                              "with accumulate_grad_batches=1")  # fmt: skip
         self._trainer = trainer
+        # collective over the job's ranks, in the order of the callbacks: the same on every rank
+        self.monitor.setup(side=self._suite.side("sdc", self.config.timeout))
         optimizers = list(trainer.optimizers)
         self.monitor.optimizers = optimizers
         self.monitor.reconciler.optimizers = optimizers
@@ -124,11 +128,15 @@ class SDCVerification(Callback):
             ddp=ddp,
             synced_loss_fn=synced_loss if ddp is not None else None,
             to_device=lambda t: t.to(device),
+            committed=self._committed_steps,
         )
-        assert self._suite is not None
-        checkpoint = self._suite.checkpoint
-        if checkpoint is not None and checkpoint.manager is not None:
-            checkpoint.manager.add_meta_provider(self.monitor.meta)
+        if self._suite.store is not None:
+            self._suite.store.add_meta_provider(self.monitor.meta)
+        driver = self._suite.the_driver()
+        driver.add_contributor(self.monitor)  # the late guards travel in each step's agreement
+        self.monitor.driven = True
+        driver.add_bookkeeper(self)
+        self._suite.on_rolled_back(lambda step, _lost: self.monitor.rolled_back(step) if self.monitor else None)
         # runs inside optimizer.step(), so before any on_train_batch_end (a snapshot sees this step's verdict)
         self._handles = [opt.register_step_post_hook(self._after_optimizer_step) for opt in optimizers]
 
@@ -142,7 +150,6 @@ class SDCVerification(Callback):
         assert self.monitor is not None
         self._batch_idx = batch_idx
         self.monitor.begin_step(trainer.global_step, batch)
-        self._post_spike(trainer)
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
@@ -180,8 +187,6 @@ class SDCVerification(Callback):
                 },
             )
         self._logged_events = len(events)
-        if self._suite is not None:
-            self._suite.step_end(self, trainer, pl_module)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -192,16 +197,11 @@ class SDCVerification(Callback):
         self._handles = []
         if self.monitor is not None:
             self.monitor.close()
-        if self._suite is not None:
-            self._suite.fit_end(self, trainer)
 
     # --------------------------------------------------------------- response
     def _respond(self, trainer: Trainer, outcome: StepOutcome) -> None:
         assert self.monitor is not None and self._suite is not None
         if not outcome.needs_rollback:
-            return
-        if outcome.bad_step is not None and all(e.verdict is Diagnosis.ANOMALY for e in outcome.events):
-            self._post_nonfinite(trainer, outcome)
             return
         # the verdict is the same on every rank (computed from gathered data): so is everything below
         self.rollback_step = self.monitor.rollback_target(self._committed_steps())
@@ -216,7 +216,7 @@ class SDCVerification(Callback):
         )
         # stop_on_suspect: a faulty device stops the job even where the policy would only alert
         at_least = Action.ROLLBACK if self.config.stop_on_suspect and unfixable_device else None
-        action = self._suite.post(trainer, verdict, at_least=at_least)
+        action = self._suite.post(trainer, verdict, at_least=at_least, agreed=True)
         self._write_verdict(trainer, outcome, stop=action.stops)
         log.error(
             "silent data corruption: %s -> %s (exit code %d at the end of fit)", detail, action.value, ExitCode.SDC
@@ -224,39 +224,24 @@ class SDCVerification(Callback):
         if action.stops:
             self.stopped = True  # no more checks: the suite stops the fit at this step's end
 
-    def _post_nonfinite(self, trainer: Trainer, outcome: StepOutcome) -> None:
-        """A non-finite loss or gradient seen late (the same verdict on every rank): the policy's ``nonfinite``."""
-        assert self.monitor is not None and self._suite is not None and outcome.bad_step is not None
-        in_process = self._suite.action_for(Event.NONFINITE) is Action.ROLLBACK_IN_PROCESS  # alike on every rank
-        # a restart needs the newest verified committed step (collective, waits for a persist in flight)
-        self.rollback_step = None if in_process else self.monitor.rollback_target(self._committed_steps())
-        detail = outcome.events[-1].detail if outcome.events else "non-finite loss or gradients"
-        verdict = Verdict(Event.NONFINITE, outcome.step, trainer.global_rank, detail, "sdc",
-                          verified_step=self.rollback_step, bad_step=outcome.bad_step)  # fmt: skip
-        action = self._suite.post(trainer, verdict)
-        if action is not Action.ROLLBACK_IN_PROCESS:
-            self._write_verdict(trainer, outcome, stop=action.stops)
-        log.warning("non-finite values at step %d -> %s", outcome.bad_step, action.value)
-        self.stopped = action.stops
-
-    def _post_spike(self, trainer: Trainer) -> None:
-        """A late loss or gradient-norm spike (agreed by every rank): the policy's ``spike``."""
-        assert self.monitor is not None and self._suite is not None
-        step = self.monitor.late_spike_step
-        if step is None or self.stopped or self._suite.action_for(Event.SPIKE) is Action.LOG:
+    def after_step(self, step: int, decision: Decision | None) -> None:
+        """The step driver's bookkeeping: a late non-finite verdict that stops the job is recorded in the run
+        directory, as an SDC verdict is."""
+        if decision is None or decision.event is not Event.NONFINITE or not decision.action.stops or self.stopped:
             return
-        detail = f"loss or gradient-norm spike at step {step}"
-        self._suite.post(trainer, Verdict(Event.SPIKE, trainer.global_step, trainer.global_rank, detail, "sdc",
-                                          bad_step=step))  # fmt: skip
+        assert self.monitor is not None
+        self.stopped = True
+        self.rollback_step = next((v.verified_step for v in decision.verdicts if v.source == "sdc"), None)
+        if self._trainer is not None:
+            late = [e for e in self.monitor.events if e.mechanism == "guard:nonfinite"][-1:]
+            self._write_verdict(self._trainer, StepOutcome(step, late, needs_rollback=True), stop=True)
 
     def _committed_steps(self) -> list[int]:
-        checkpoint = self._suite.checkpoint if self._suite is not None else None
-        if checkpoint is None or checkpoint.manager is None:
+        store = self._suite.store if self._suite is not None else None
+        if store is None:
             return []
-        manager = checkpoint.manager
-        manager.wait(hold_failure=True)  # a persist in flight may be the verified step we want; an agreement follows
         steps: set[int] = set()
-        for tier, tier_steps in manager.steps().items():
+        for tier, tier_steps in store.committed_steps().items():
             if self.config.rollback_tiers is None or tier in self.config.rollback_tiers:
                 steps.update(tier_steps)
         return sorted(steps)

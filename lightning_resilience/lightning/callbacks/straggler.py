@@ -1,6 +1,6 @@
 """StragglerDetection: time every training step on every rank with the collective waits taken out, find the rank
 that slows the job down and its slow component (compute or data), report a job-wide slowdown, and act on it (log,
-alert, exclude through a user hook, or checkpoint and stop with a distinct exit code)."""
+alert, or checkpoint and stop with a distinct exit code)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
@@ -20,7 +19,7 @@ from lightning_resilience.lightning.coordination import Suite
 from lightning_resilience.policy import Action, Decision, Event, Verdict
 from lightning_resilience.straggler.config import StragglerConfig
 from lightning_resilience.straggler.detector import StragglerDetector
-from lightning_resilience.straggler.policy import Escalation, StragglerFinding
+from lightning_resilience.straggler.policy import Escalation
 from lightning_resilience.straggler.timing import BACKWARD, FORWARD, OPTIMIZER
 
 __all__ = ["StragglerDetection"]
@@ -49,8 +48,10 @@ class StragglerDetection(Callback):
         trainer = Trainer(callbacks=[TieredCheckpoint(tiers=...), detector])
         trainer.fit(model)  # after a 'stop': ends the process with ExitCode.STRAGGLER (restart without the node)
 
-    A 'stop' level posts a straggler verdict to the suite's policy (every rank at the same step, from the same
-    gathered timings). With the default mapping (``straggler: checkpoint_and_stop``) the suite persists the current
+    Every ``gather_every_n_steps`` steps the timings of each step since the last exchange go to rank 0 along the
+    tree of the suite's step agreement, off the training thread; rank 0 scores them step by step. A 'stop' level
+    posts a straggler verdict to the suite's policy on rank 0, and the next step's agreement stops every rank at the
+    same step. With the default mapping (``straggler: checkpoint_and_stop``) the suite persists the current
     step through the Trainer's ``TieredCheckpoint``, if any, stops the fit and ends the process with
     ``ExitCode.STRAGGLER``; ``straggler: alert`` only alerts.
 
@@ -59,7 +60,6 @@ class StragglerDetection(Callback):
 
     Args:
         config: detection, cadence and ladder settings.
-        exclude_hook: called on every rank with the verdict when an 'exclude' level fires.
         plot_path: where rank 0 writes a PNG of per-rank compute and data times at the end of fit (needs matplotlib).
         max_logged_ranks: per-rank score metrics are logged for at most this many ranks.
         log_every_n_steps: metrics cadence (Lightning's default cadence).
@@ -72,7 +72,6 @@ class StragglerDetection(Callback):
         self,
         config: StragglerConfig | None = None,
         *,
-        exclude_hook: Callable[[StragglerFinding], None] | None = None,
         plot_path: str | Path | None = None,
         max_logged_ranks: int = 64,
         log_every_n_steps: int = 50,
@@ -81,9 +80,6 @@ class StragglerDetection(Callback):
         if log_every_n_steps < 1:
             raise ValueError(f"straggler.log_every_n_steps must be >= 1, got {log_every_n_steps}")
         self.config = config or StragglerConfig()
-        if any(lvl.action == "exclude" for lvl in self.config.levels) and exclude_hook is None:
-            raise ValueError("straggler.levels has an 'exclude' level but no exclude_hook was given")
-        self.exclude_hook = exclude_hook
         self.plot_path = Path(plot_path) if plot_path is not None else None
         self.max_logged_ranks = max_logged_ranks
         self.log_every_n_steps = log_every_n_steps
@@ -91,6 +87,7 @@ class StragglerDetection(Callback):
         self.detector: StragglerDetector | None = None
         self._suite: Suite | None = None
         self._posted = False
+        self._trainer: Trainer | None = None
         self.plot_file: Path | None = None
         self._logged_at: int | None = None
         self.last_metrics: dict[str, float] = {}
@@ -100,7 +97,7 @@ class StragglerDetection(Callback):
     def __getstate__(self) -> dict[str, Any]:
         # spawn launchers pickle callbacks: the detector (process group, profiler) is per process, rebuilt in setup
         state = self.__dict__.copy()
-        state["detector"], state["_suite"] = None, None
+        state["detector"], state["_suite"], state["_trainer"] = None, None, None
         return state
 
     @property
@@ -121,7 +118,7 @@ class StragglerDetection(Callback):
     @property
     def checkpointed_at_stop(self) -> bool:
         stop = self._stop
-        saved = self._suite is not None and self._suite.checkpoint is not None
+        saved = self._suite is not None and self._suite.store is not None
         return stop is not None and stop.action is Action.CHECKPOINT_AND_STOP and saved
 
     # ------------------------------------------------------------------ user sections
@@ -137,19 +134,22 @@ class StragglerDetection(Callback):
         if stage != "fit":
             return
         self._suite = Suite.of(trainer)
-        self._suite.attach_straggler(self)
+        self._suite.join(trainer, "straggler", self, timeout=self.config.gather_timeout)
+        self._suite.add_reporter(self)
         self._posted = False
-        distributed = dist.is_available() and dist.is_initialized() and trainer.world_size > 1
-        kwargs: dict[str, Any] = {"clock": self.clock, "exclude_hook": self.exclude_hook}
-        if distributed:
-            self.detector = StragglerDetector.from_process_group(self.config, **kwargs)  # collective: all ranks
-        else:
-            self.detector = StragglerDetector(self.config, **kwargs)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.detector is None:
-            return
+        assert self._suite is not None
+        channels = self._suite.channels()
+        if channels.world_size > 1:  # timings go along the step agreement's tree to rank 0, which decides
+            self.detector = StragglerDetector.with_tree(self.config, channels.agreement, clock=self.clock)
+        else:
+            self.detector = StragglerDetector(self.config, clock=self.clock)
+        driver = self._suite.the_driver()
+        driver.add_finisher(self)
+        driver.add_bookkeeper(self)
+        self._trainer = trainer
         # the strategy has wrapped the model by now (DDP, FSDP): probe its collective waits
         self.parallelism = self.detector.attach(trainer.strategy.model or pl_module)
         auto = self.config.sections is None
@@ -195,20 +195,14 @@ class StragglerDetection(Callback):
         if self.detector is not None:
             self.detector.begin(OPTIMIZER)
 
-    @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self._batch_end(trainer)
-        if self._suite is not None:
-            self._suite.step_end(self, trainer, pl_module)
-
-    def _batch_end(self, trainer: Trainer) -> None:
-        detector = self.detector
-        if detector is None or self._suite is None:
+    def finish_step(self, step: int) -> None:
+        """The step driver's first phase: the step's timings close; an exchange is issued or taken (rank 0 scores
+        every rank's timings and posts a 'stop' to the policy, which the next step's agreement carries to all)."""
+        detector, trainer = self.detector, self._trainer
+        if detector is None or self._suite is None or trainer is None:
             return
         detector.end(FORWARD)  # manual optimization calls none of the hooks in between: the batch is all forward
-        decisions = detector.end_step(trainer.global_step)  # collective at gather steps
+        decisions = detector.end_step(step)
         self._maybe_log_metrics(trainer, decisions)
         if detector.should_stop and not self._posted:
             assert detector.stop_decision is not None
@@ -218,6 +212,12 @@ class StragglerDetection(Callback):
             verdict = Verdict(Event.STRAGGLER, trainer.global_step, trainer.global_rank, detail, "straggler")
             self._suite.post(trainer, verdict)
             self._posted = True
+
+    def after_step(self, step: int, decision: Decision | None) -> None:
+        """The step driver's last phase: from here on the rank waits for its next batch (the suite's own work at the
+        step's end is not counted as a data wait)."""
+        if self.detector is not None:
+            self.detector.timer.mark_idle()
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -230,8 +230,7 @@ class StragglerDetection(Callback):
         if self.plot_path is not None and self.detector is not None and trainer.is_global_zero:
             self.plot_file = self.detector.plot(self.plot_path)
         self._close()
-        if self._suite is not None:
-            self._suite.fit_end(self, trainer)
+        self._trainer = None
 
     def _close(self) -> None:
         if self.detector is not None:

@@ -15,7 +15,7 @@ from typing_extensions import override
 from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.manager import CheckpointManager, CheckpointStats, Restored
 from lightning_resilience.checkpoint.rng import capture_rng_states, restore_rng_states
-from lightning_resilience.checkpoint.tier import Tier
+from lightning_resilience.checkpoint.tier import Durability, Tier
 from lightning_resilience.checkpoint.tree import storage_ptr
 from lightning_resilience.exit_codes import DecidedExit
 from lightning_resilience.lightning._metrics import log_host_metrics, logging_step
@@ -27,6 +27,7 @@ from lightning_resilience.lightning._trainer_state import (
     restore_trainer_state,
 )
 from lightning_resilience.lightning.coordination import Suite
+from lightning_resilience.report import checkpoint_section
 
 __all__ = ["TieredCheckpoint"]
 
@@ -88,12 +89,13 @@ class TieredCheckpoint(Checkpoint):
         self.discarded_suspect: list[int] = []
         """Steps newer than a restore bound (a corrupt state found by SDC), deleted on this rank at restore."""
         self._suite: Suite | None = None
+        self._fit: tuple[Trainer, LightningModule] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # spawn launchers pickle callbacks: the engine (threads, locks, buffers) is per process and rebuilt in setup
         state = self.__dict__.copy()
         state["manager"], state["_guards"], state["_data"] = None, [], TrainDataPosition()
-        state["_suite"] = None
+        state["_suite"], state["_fit"] = None, None
         return state
 
     @property
@@ -108,13 +110,20 @@ class TieredCheckpoint(Checkpoint):
         if stage != "fit":
             return
         self.manager = CheckpointManager(self.tiers, self.config)
-        self.manager.setup()  # collective over the job's ranks: every rank runs setup
         self._suite = Suite.of(trainer)
-        self._suite.attach_checkpoint(self)
+        self._suite.join(trainer, "checkpoint", self, timeout=self.config.collective_timeout)
+        self._suite.set_store(self)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        assert self.manager is not None
+        assert self.manager is not None and self._suite is not None
+        # collective over the job's ranks, in the order of the callbacks: the same on every rank
+        self.manager.setup(side=self._suite.side("checkpoint", self.config.collective_timeout))
+        driver = self._suite.the_driver()
+        driver.add_contributor(self.manager.agreement)
+        self.manager.agreement.driven = True
+        driver.add_snapshotter(self)
+        self._fit = (trainer, pl_module)
         self._last_step = trainer.global_step
         if self.config.overlap_copy:
             # a snapshot's background copy must land before the optimizer changes what it reads
@@ -137,6 +146,7 @@ class TieredCheckpoint(Checkpoint):
         restored = self.manager.restore(self.config.resume_step, max_step=max_step, rebuild_dtensor=rebuild)
         if bound is not None:
             self._discard_suspect(trainer, bound.max_step)
+            self.manager.resync()  # every rank deleted its suspect steps
         if restored is None:
             rank_zero_log(trainer, "no checkpoint to resume from: starting at step %d", trainer.global_step)
             return
@@ -179,19 +189,16 @@ class TieredCheckpoint(Checkpoint):
         # the train loaders exist now, Lightning's sampler injected: continue the saved epoch at its next batch
         self._data.attach(trainer)
 
-    @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self._snapshot(trainer, pl_module, batch_idx)
-        if self._suite is not None:
-            self._suite.step_end(self, trainer, pl_module)  # the suite decides here when this is its last member
+    def snapshot(self, step: int) -> None:
+        """The step driver's snapshot phase: capture the state of ``step`` (the driver skips a suspect state)."""
+        if self._fit is not None and self._suite is not None:
+            self._snapshot(*self._fit, self._suite.batch_idx)
 
     def _snapshot(self, trainer: Trainer, pl_module: LightningModule, batch_idx: int) -> None:
         assert self.manager is not None
         step = trainer.global_step
-        if step == self._last_step or self._known_corrupt:
-            return  # mid gradient accumulation, or the state is known corrupt (SDC posted before this hook)
+        if step == self._last_step:
+            return  # already captured (a rollback restored this step)
         self._last_step = step
         taken = self.manager.on_step(
             step,
@@ -215,8 +222,40 @@ class TieredCheckpoint(Checkpoint):
 
     @property
     def _known_corrupt(self) -> bool:
-        # a corrupt state, or one an in-process rollback is about to undo: not worth a snapshot
-        return self._suite is not None and (self._suite.corrupt is not None or self._suite.rollback_pending)
+        return self._suite is not None and self._suite.state_suspect()
+
+    # ------------------------------------------------------------------ what the suite may ask (CheckpointStore)
+    def committed_steps(self) -> dict[str, list[int]]:
+        assert self.manager is not None
+        self.manager.wait(hold_failure=True)  # a persist in flight may be the step asked for; an agreement follows
+        return self.manager.steps()
+
+    def memory_steps(self) -> list[int]:
+        return self.manager.memory_steps() if self.manager is not None else []
+
+    def persisted_steps(self) -> dict[str, int | None]:
+        """The newest committed step of each tier that outlives the process."""
+        if self.manager is None:
+            return {}
+        stats = self.manager.stats.tiers
+        return {t.name: stats[t.name].last_step for t in self.manager.tiers if t.durability is not Durability.process}
+
+    def add_meta_provider(self, provider: Callable[[int], dict[str, Any]]) -> None:
+        assert self.manager is not None
+        self.manager.add_meta_provider(provider)
+
+    def report_section(self, blocking_timeline: list[tuple[int, float]]) -> dict[str, Any]:
+        """The checkpoint section of the end-of-run report (``blocking_timeline``: (step, seconds blocked))."""
+        assert self.manager is not None
+        return checkpoint_section(
+            self.manager.stats, self.manager.tiers, restores=self.restores, blocking_timeline=blocking_timeline
+        )
+
+    def restore_memory(self, step: int) -> Restored:
+        assert self.manager is not None
+        restored = self.manager.restore(step, memory_only=True)  # collective; raises if not loadable everywhere
+        assert restored is not None
+        return restored
 
     def rollback_to(self, trainer: Trainer, restored: Restored, skip_ahead: int | None) -> list[Any]:
         """Apply ``restored`` (a RAM snapshot) in the running process from ``on_train_batch_end``: every part of the
@@ -268,10 +307,9 @@ class TieredCheckpoint(Checkpoint):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
             self._shutdown()
-            if self._suite is not None:
-                self._suite.fit_end(self, trainer)
 
     def _shutdown(self) -> None:
+        self._fit = None
         self._data.detach()
         for guard in self._guards:
             guard.remove()

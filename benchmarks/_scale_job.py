@@ -1,0 +1,192 @@
+"""One launch of the scale benchmark: N gloo ranks under torchrun, a trivial model under Lightning DDP, fits with and
+without the default preset interleaved, then the step agreement's latency on its own.
+
+Usage: ``torchrun --standalone --nproc-per-node N -m benchmarks._scale_job --out DIR [--steps S] [--turns T]``;
+rank r writes ``DIR/rank<r>.json``.
+
+Per fit: the step period (batch start to batch start), the time spent inside the suite's callbacks' hooks on the
+training thread per step (what the suite itself costs the step), the file descriptors of the process at mid-fit, and
+the time from fit start to the first batch. Then, off Lightning: the latency of rounds of the step agreement (a
+16-field vector) and of gathers to rank 0 of payloads of two sizes, for the latency model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_resilience.collective import SideGroup
+from lightning_resilience.lightning.coordination import Suite
+from lightning_resilience.lightning.suite import build_suite, compose_resilience
+from lightning_resilience.step.agreement import Op, TreeAgreement
+
+HOOKS = (
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_epoch_start",
+)
+
+
+class Tiny(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Clock(Callback):
+    """Step periods and the time to the first batch; the process's descriptors at mid-fit."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.starts: list[float] = []
+        self.fit_start = 0.0
+        self.fds = 0
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.fit_start = time.perf_counter()
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self.starts.append(time.perf_counter())
+        if trainer.global_step == self.steps // 2:
+            self.fds = len(os.listdir("/proc/self/fd"))
+
+
+def _timed(callbacks: list[Callback], spent: dict[int, float], trainer_ref: list[Trainer]) -> None:
+    """Wrap every training-loop hook of the suite's callbacks so its time is added to the step it ran in."""
+    for cb in callbacks:
+        for name in HOOKS:
+            original = getattr(cb, name)
+
+            def timed(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    step = trainer_ref[0].global_step if trainer_ref else -1
+                    spent[step] = spent.get(step, 0.0) + time.perf_counter() - start
+
+            setattr(cb, name, timed)
+
+
+def fit_once(suite: bool, steps: int, world: int, run_dir: Path) -> dict[str, Any]:
+    seed_everything(0)
+    data = TensorDataset(torch.randn(64 * world, 8), torch.randn(64 * world, 1))
+    clock = Clock(steps)
+    callbacks: list[Callback] = [clock]
+    spent: dict[int, float] = {}
+    trainer_ref: list[Trainer] = []
+    ours: list[Callback] = []
+    if suite:
+        node = compose_resilience(["+resilience=default", f"++resilience.run_dir={run_dir}"])
+        ours = build_suite(node)
+        callbacks += ours
+    trainer = Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp",
+        callbacks=callbacks,
+        default_root_dir=str(run_dir),
+        logger=False,
+        enable_checkpointing=suite,  # the suite's TieredCheckpoint is a Checkpoint: no default ModelCheckpoint then
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer_ref.append(trainer)
+    if suite:  # the members' own hooks; the suite's step path (the driver) keeps its own per-step times
+        _timed(ours, spent, trainer_ref)
+    start = time.perf_counter()
+    trainer.fit(Tiny(), DataLoader(data, batch_size=4, shuffle=True))
+    wall = time.perf_counter() - start
+    out: dict[str, Any] = {
+        "suite": suite,
+        "periods_s": [b - a for a, b in zip(clock.starts, clock.starts[1:])],
+        "first_batch_s": (clock.starts[0] - clock.fit_start) if clock.starts else None,
+        "fds": clock.fds,
+        "wall_s": wall,
+    }
+    if suite:
+        s = Suite.of(trainer)
+        assert s.driver is not None
+        out["driver_ms_per_step"] = s.driver.stats.per_step_ms()
+        out["driver_s_by_step"] = {str(k): v for k, v in s.driver.stats.recent}
+        out["hook_s_by_step"] = {str(k): v for k, v in sorted(spent.items())}
+        stats = s.driver.agreement.stats
+        out["agreement"] = {"rounds": stats.rounds, "late": stats.waits, "waited_s": stats.waited_seconds}
+    return out
+
+
+def _rounds(kind: str, count: int, size: int) -> list[float]:
+    """Latency of ``count`` sequential rounds (issue, then wait) of the step agreement."""
+    tree = TreeAgreement(SideGroup("bench", timedelta(seconds=120)))
+    lat = []
+    try:
+        for i in range(count):
+            dist.barrier()
+            start = time.perf_counter()
+            if kind == "reduce":
+                tree.reduce([i] * size, [Op.MAX] * size, op="bench.reduce", step=i).result()
+            else:
+                tree.gather(b"x" * size, op="bench.gather", step=i).result()
+            lat.append(time.perf_counter() - start)
+    finally:
+        tree.close()
+    return lat
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--turns", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    out = Path(args.out)
+    fits = []
+    for turn in range(args.turns):
+        for suite in (False, True) if turn % 2 == 0 else (True, False):
+            fits.append({"turn": turn, **fit_once(suite, args.steps, world, out / f"run{turn}")})
+    result = {
+        "rank": rank,
+        "world": world,
+        "fits": fits,
+        "reduce_s": _rounds("reduce", args.rounds, 16),
+        "gather_small_s": _rounds("gather", args.rounds, 256),
+        "gather_large_s": _rounds("gather", args.rounds, 16384),
+        "fds_end": len(os.listdir("/proc/self/fd")),
+    }
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    median = statistics.median(result["reduce_s"])
+    if rank == 0:
+        print(f"scale job: {world} ranks, round median {median * 1e3:.2f} ms", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

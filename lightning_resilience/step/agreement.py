@@ -1,0 +1,294 @@
+"""The agreement of a step: a small vector of integers reduced over every rank along a tree, off the training thread.
+
+Everything the ranks must agree on at a step boundary (the policy's action, a preemption notice, SDC's late guard
+flags, the checkpoint engine's persist view) is a field of one int64 vector, each field with its own reduction
+(:class:`Op`). :meth:`TreeAgreement.reduce` hands the vector to a thread of its own and returns at once; the caller
+takes the result later (:meth:`Pending.result`, normally at the next step boundary, when it has long arrived).
+
+The thread reduces along a ``fanout``-ary tree of the ranks (rank ``r``'s parent is ``(r - 1) // fanout``): it
+receives its children's partial vectors, combines them with its own, sends the result to its parent, receives the
+agreed vector from it and passes it down. A round is ``2 * depth`` hops (depth ``ceil(log_fanout N)``), each rank
+talks to at most ``fanout + 1`` peers, and with a lazily connected gloo group (:mod:`lightning_resilience.collective`)
+it opens no other socket: the cost per rank does not grow with the number of ranks, the latency grows with its
+logarithm. :meth:`TreeAgreement.gather` sends one payload per rank up the same tree to rank 0 (the straggler
+exchange: records to one rank, never N records to every rank).
+
+Every exchange goes through :meth:`SideGroup.exchange`: bounded by the group's timeout, typed errors, the fault hook.
+A failed round fails every later one at once, and the caller gets the error when it takes the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from enum import Enum
+from functools import partial
+from typing import Any
+
+import torch
+
+from lightning_resilience.collective import CollectiveTimeoutError, Deadline, SideGroup
+
+__all__ = ["AgreementStats", "Op", "Pending", "TreeAgreement", "combine"]
+
+log = logging.getLogger(__name__)
+
+
+class Op(str, Enum):
+    """How one field of the vector is reduced over the ranks."""
+
+    MAX = "max"
+    MIN = "min"
+    AND = "and"
+    """Bitwise AND: a flag that must hold on every rank, or a set of steps every rank holds."""
+    OR = "or"
+    """Bitwise OR: a flag raised on some rank."""
+    SUM = "sum"
+
+
+_COMBINE: dict[Op, Callable[[int, int], int]] = {
+    Op.MAX: max,
+    Op.MIN: min,
+    Op.AND: lambda a, b: a & b,
+    Op.OR: lambda a, b: a | b,
+    Op.SUM: lambda a, b: a + b,
+}
+
+
+def combine(ops: Sequence[Op], a: Sequence[int], b: Sequence[int]) -> list[int]:
+    """Field by field, the reduction of two partial vectors."""
+    return [_COMBINE[op](x, y) for op, x, y in zip(ops, a, b)]
+
+
+def _frame(records: Sequence[tuple[int, bytes]]) -> bytes:
+    return b"".join(struct.pack("<iI", rank, len(body)) + body for rank, body in records)
+
+
+def _unframe(data: bytes | None) -> list[tuple[int, bytes]]:
+    out, at = [], 0
+    while data is not None and at < len(data):
+        rank, size = struct.unpack_from("<iI", data, at)
+        at += 8
+        out.append((rank, data[at : at + size]))
+        at += size
+    return out
+
+
+@dataclass
+class AgreementStats:
+    """What the agreements cost: rounds, their latency on the agreement thread, and the training thread's waits."""
+
+    rounds: int = 0
+    gathers: int = 0
+    round_seconds: float = 0.0
+    """Issue to completion, summed over rounds (on the agreement thread: the training thread does not wait it)."""
+    round_seconds_max: float = 0.0
+    waited_seconds: float = 0.0
+    """Time the training thread spent waiting for a result that had not arrived yet."""
+    waits: int = 0
+    """Results taken before they had arrived (the training thread waited)."""
+    latencies: list[float] = field(default_factory=list)
+    """Latency of the most recent rounds (at most 1,000), for benchmarks."""
+
+
+class Pending:
+    """The result of one round, taken later on the caller's thread."""
+
+    def __init__(self, owner: TreeAgreement, op: str, step: int | None) -> None:
+        self.op, self.step = op, step
+        self._owner = owner
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self.issued = time.perf_counter()
+
+    def _set(self, value: Any = None, error: BaseException | None = None) -> None:
+        self._value, self._error = value, error
+        self._done.set()
+
+    def done(self) -> bool:
+        """Whether the result has arrived (taking it will not wait)."""
+        return self._done.is_set()
+
+    def result(self, timeout: timedelta | None = None) -> Any:
+        """The agreed vector (a gather: rank 0 gets ``[(rank, payload), ...]`` in rank order, the others ``[]``).
+
+        Waits at most ``timeout`` (default: the group's); raises what the round raised, or
+        :class:`CollectiveTimeoutError` when it has not finished in time (the agreement is broken from then on)."""
+        if not self._done.is_set():
+            start = time.perf_counter()
+            limit = timeout or self._owner.timeout
+            arrived = self._done.wait(limit.total_seconds())
+            stats = self._owner.stats
+            stats.waits += 1
+            stats.waited_seconds += time.perf_counter() - start
+            if not arrived:
+                error = CollectiveTimeoutError(
+                    f"agreement {self._owner.name!r}: {self.op} of step {self.step} not agreed within "
+                    f"{limit.total_seconds():g}s; a rank is hung, gone or far behind",
+                    op=self.op,
+                    group=self._owner.name,
+                )
+                self._owner.fail(error)
+                raise error
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+_STOP = object()
+
+
+class TreeAgreement:
+    """Reductions and gathers of small payloads along a tree of the ranks, run by a thread of its own.
+
+    Args:
+        group: a side group used by this object alone (its thread is the only caller); its timeout bounds a round.
+            Without peers (one rank, no process group) every round completes at once on the caller's thread.
+        fanout: children per rank in the tree.
+    """
+
+    def __init__(self, group: SideGroup, *, fanout: int = 4) -> None:
+        if fanout < 2:
+            raise ValueError(f"agreement fanout must be >= 2, got {fanout}")
+        self.group, self.fanout = group, fanout
+        self.name = group.name
+        self.timeout = group.timeout
+        self.stats = AgreementStats()
+        rank, n = group.rank, group.world_size
+        self.parent = (rank - 1) // fanout if rank > 0 else None
+        self.children = [c for c in range(fanout * rank + 1, fanout * rank + fanout + 1) if c < n]
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._failed: BaseException | None = None
+        self._sent: list[Any] = []
+        self._lock = threading.Lock()
+
+    @property
+    def depth(self) -> int:
+        """Levels of the tree below rank 0 (a round is twice as many hops)."""
+        depth, reach, n = 0, 1, self.group.world_size
+        while reach < n:
+            depth, reach = depth + 1, reach * self.fanout + 1
+        return depth
+
+    def fail(self, error: BaseException) -> None:
+        """Every later round fails with ``error`` (a round timed out or a peer failed)."""
+        with self._lock:
+            self._failed = self._failed or error
+
+    # ------------------------------------------------------------------ requests
+    def reduce(self, values: Sequence[int], ops: Sequence[Op], *, op: str, step: int | None = None) -> Pending:
+        """Issue the reduction of ``values`` (one per field, reduced by ``ops``); returns at once."""
+        if len(values) != len(ops):
+            raise ValueError(f"agreement {op}: {len(values)} values for {len(ops)} fields")
+        return self._submit(("reduce", [int(v) for v in values], list(ops)), op, step)
+
+    def gather(self, payload: bytes, *, op: str, step: int | None = None) -> Pending:
+        """Issue the gather of one payload per rank to rank 0; returns at once."""
+        return self._submit(("gather", bytes(payload), None), op, step)
+
+    def _submit(self, request: tuple[str, Any, Any], op: str, step: int | None) -> Pending:
+        pending = Pending(self, op, step)
+        if not self.group.distributed:
+            kind, body, _ = request
+            pending._set([(0, body)] if kind == "gather" else list(body))
+            return pending
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"lr-agreement-{self.name}", daemon=True)
+                self._thread.start()
+        self._queue.put((request, pending))
+        return pending
+
+    def close(self, timeout: timedelta = timedelta(seconds=5)) -> bool:
+        """Stop the thread after the rounds already issued (bounded); True when it has ended."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is None:
+            return True
+        self._queue.put(_STOP)
+        thread.join(timeout.total_seconds())
+        if thread.is_alive():
+            log.warning("agreement %r: its thread did not end within %s (a round is still waiting)", self.name, timeout)
+        return not thread.is_alive()
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            (kind, body, ops), pending = item
+            with self._lock:
+                failed = self._failed
+            if failed is not None:
+                pending._set(error=failed)
+                continue
+            try:
+                if kind == "reduce":
+                    value: Any = self._reduce(body, ops, pending)
+                else:
+                    value = self._gather(body, pending)
+            except BaseException as err:
+                self.fail(err)
+                pending._set(error=err)
+                continue
+            latency = time.perf_counter() - pending.issued
+            stats = self.stats
+            stats.rounds += kind == "reduce"
+            stats.gathers += kind == "gather"
+            stats.round_seconds += latency
+            stats.round_seconds_max = max(stats.round_seconds_max, latency)
+            stats.latencies = [*stats.latencies[-999:], latency]
+            pending._set(value)
+
+    def _exchange(
+        self, payload: bytes | None, send_to: list[int], recv_from: list[int], pending: Pending, deadline: Deadline
+    ) -> list[bytes | None]:
+        return self.group.exchange(
+            payload, send_to=send_to, recv_from=recv_from, op=pending.op, step=pending.step, deadline=deadline
+        )
+
+    def _reduce(self, values: list[int], ops: list[Op], pending: Pending) -> list[int]:
+        """Fixed-size messages, so a leaf (most ranks) waits once per round: send up and receive down together."""
+        deadline = Deadline(self.timeout)
+        self._settle_sends(deadline)
+        swap = partial(self.group.swap, op=pending.op, step=pending.step, deadline=deadline)
+        if self.children:
+            parts = [torch.empty(len(values), dtype=torch.int64) for _ in self.children]
+            swap([], list(zip(self.children, parts)))
+            for part in parts:
+                values = combine(ops, values, part.tolist())
+        mine = torch.tensor(values, dtype=torch.int64)
+        if self.parent is not None:
+            agreed = torch.empty_like(mine)
+            self._sent += swap([(self.parent, mine)], [(self.parent, agreed)])
+            mine = agreed
+        if self.children:
+            self._sent += swap([(c, mine) for c in self.children], [])
+        return [int(v) for v in mine.tolist()]
+
+    def _settle_sends(self, deadline: Deadline) -> None:
+        """The previous round's sends, before this round's: delivered long ago (their peers answered since)."""
+        sent, self._sent = self._sent, []
+        for work in sent:
+            if not work.is_completed():
+                work.wait(deadline.bound(self.timeout))
+
+    def _gather(self, payload: bytes, pending: Pending) -> list[tuple[int, bytes]]:
+        deadline = Deadline(self.timeout)
+        records = [(self.group.rank, payload)]
+        if self.children:
+            for part in self._exchange(None, [], self.children, pending, deadline):
+                records += _unframe(part)
+        if self.parent is not None:
+            self._exchange(_frame(records), [self.parent], [], pending, deadline)
+            return []
+        return sorted(records)

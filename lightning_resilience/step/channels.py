@@ -1,0 +1,62 @@
+"""The suite's side groups: as few as the threads that talk to other ranks, each connected lazily.
+
+A gloo group is a set of connections between ranks; two threads must not share one (their collectives would
+interleave differently on different ranks). The suite has one group per thread that agrees with other ranks:
+
+* ``suite`` — the training thread's agreements off the ordinary step: restore, the restore bound, a persist now, an
+  emergency save, an in-process rollback, SDC's checks at their cadence. Every component gets a *view* of it
+  (:meth:`SideGroup.view`) with its own name and timeout.
+* ``step`` — the agreement thread (:class:`~lightning_resilience.step.agreement.TreeAgreement`): the one round of
+  every step and the straggler exchange at its cadence, along a tree of the ranks.
+
+The checkpoint engine's persist thread has a third when a tier exchanges with peers (a peer tier's transfer group,
+made by that tier). Every group connects lazily: a rank opens a socket only to the peers it talks to (the ring
+neighbours of the ``suite`` group's collectives, the tree's parent and children), so sockets per rank and set-up
+time do not grow with the number of ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import timedelta
+
+from lightning_resilience.collective import SideGroup
+from lightning_resilience.step.agreement import TreeAgreement
+
+__all__ = ["Channels"]
+
+
+class Channels:
+    """The side groups of one training job on one rank. Collective: every rank creates it at the same point.
+
+    Args:
+        timeouts: the timeouts of the components that will use the ``suite`` group: the gloo group is made with the
+            longest, so that each view can wait as long as its own timeout says (and no longer: an operation left
+            behind by a failed agreement ends with the group's timeout).
+        step_timeout: bound on one round of the step agreement (the policy's timeout).
+        fanout: children per rank in the agreement tree.
+        local: this process alone (no peers, whatever the process group).
+    """
+
+    def __init__(
+        self, timeouts: Iterable[timedelta], step_timeout: timedelta, *, fanout: int = 4, local: bool = False
+    ) -> None:
+        longest = max([step_timeout, *timeouts])
+        self._side = SideGroup("suite", longest, local=local)
+        self.agreement = TreeAgreement(SideGroup("step", step_timeout, local=local), fanout=fanout)
+
+    @property
+    def rank(self) -> int:
+        return self._side.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._side.world_size
+
+    def side(self, name: str, timeout: timedelta) -> SideGroup:
+        """A view of the ``suite`` group for one component (its name in errors, its own timeout)."""
+        return self._side.view(name, min(timeout, self._side.timeout))
+
+    def close(self) -> None:
+        """Stop the agreement thread (bounded); the gloo groups go with the default process group."""
+        self.agreement.close()

@@ -1,0 +1,118 @@
+"""The step agreement: a vector of fields, each with its own reduction, agreed along a tree of real gloo ranks off
+the training thread; a gather of payloads to rank 0; errors and deadlines on every rank."""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_resilience.collective import CollectiveError, CollectiveTimeoutError, SideGroup, set_fault_hook
+from lightning_resilience.step.agreement import Op, Pending, TreeAgreement, combine
+from tests._ranks import run_ranks
+
+OPS = [Op.MAX, Op.MIN, Op.AND, Op.OR, Op.SUM]
+
+
+def _values(rank: int, round_: int) -> list[int]:
+    return [rank * round_, 100 - rank - round_, 0b111 & ~(1 << (rank % 3)), 1 << (rank % 5), 1]
+
+
+def test_combine_reduces_each_field_by_its_own_op() -> None:
+    assert combine(OPS, [3, 3, 0b110, 0b001, 2], [5, 1, 0b011, 0b100, 3]) == [5, 1, 0b010, 0b101, 5]
+
+
+def test_one_process_agrees_at_once_with_itself() -> None:
+    tree = TreeAgreement(SideGroup("step", timedelta(seconds=5), local=True))
+    pending = tree.reduce([1, 2, 3, 4, 5], OPS, op="step.agree", step=0)
+    assert pending.done() and pending.result() == [1, 2, 3, 4, 5]
+    assert tree.gather(b"x", op="g").result() == [(0, b"x")]
+    assert tree.depth == 0 and tree.parent is None and tree.children == []
+
+
+def test_the_tree_is_shallow_and_each_rank_talks_to_few_peers() -> None:
+    group = SideGroup("step", timedelta(seconds=5), local=True)
+    group.rank, group.world_size = 5, 10_000
+    tree = TreeAgreement(group, fanout=4)
+    assert tree.parent == 1 and tree.children == [21, 22, 23, 24]
+    assert tree.depth == 7  # 4-ary: 1 + 4 + ... + 4**7 > 10,000 ranks
+
+
+def _scenario_rounds(rank: int, world: int, tmp: Path, fanout: int) -> dict[str, Any]:
+    tree = TreeAgreement(SideGroup("step", timedelta(seconds=30)), fanout=fanout)
+    main = threading.get_ident()
+    seen: list[int] = []
+
+    def hook(op: str, r: int, step: int | None) -> None:
+        seen.append(threading.get_ident())
+
+    set_fault_hook(hook)
+    try:
+        pendings = [tree.reduce(_values(rank, i), OPS, op="step.agree", step=i) for i in range(5)]
+        gathered = tree.gather(f"rank{rank}".encode(), op="straggler.exchange", step=5)
+        results = [p.result() for p in pendings]
+        got = gathered.result()
+    finally:
+        set_fault_hook(None)
+        tree.close()
+    return {
+        "results": results,
+        "gathered": [[r, b.decode()] for r, b in got],
+        "on_training_thread": sum(t == main for t in seen),
+        "peers": len(tree.children) + (tree.parent is not None),
+        "fds": len(os.listdir("/proc/self/fd")),
+    }
+
+
+@pytest.mark.parametrize("world,fanout", [(2, 4), (7, 2)])
+def test_every_rank_gets_the_same_reduction_and_rank_0_the_gathered_payloads(
+    tmp_path: Path, world: int, fanout: int
+) -> None:
+    results = run_ranks(_scenario_rounds, world, tmp_path, fanout)
+    for i in range(5):
+        expected = _values(0, i)
+        for r in range(1, world):
+            expected = combine(OPS, expected, _values(r, i))
+        assert all(res["results"][i] == expected for res in results), i
+    assert results[0]["gathered"] == [[r, f"rank{r}"] for r in range(world)]
+    assert all(res["gathered"] == [] for res in results[1:])
+    assert all(res["on_training_thread"] == 0 for res in results)  # every exchange ran on the agreement thread
+    assert all(res["peers"] <= fanout + 1 for res in results)
+
+
+def _scenario_missing_rank(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    tree = TreeAgreement(SideGroup("step", timedelta(seconds=2)))
+    if rank == 1:  # never takes part: hung, or on another path
+        threading.Event().wait(4)
+        return {"error": None}
+    pending = tree.reduce([rank], [Op.MAX], op="step.agree", step=3)
+    try:
+        pending.result(timedelta(seconds=10))
+        error = None
+    except CollectiveError as err:
+        error = type(err).__name__
+    later = tree.reduce([rank], [Op.MAX], op="step.agree", step=4)
+    try:
+        later.result()
+    except CollectiveError as err:  # broken from then on: at once
+        error = f"{error},{type(err).__name__}"
+    tree.close(timedelta(seconds=1))
+    return {"error": error}
+
+
+def test_a_rank_that_never_comes_is_a_typed_error_within_the_deadline(tmp_path: Path) -> None:
+    results = run_ranks(_scenario_missing_rank, 3, tmp_path, deadline_s=60)
+    assert results[0]["error"] is not None and results[0]["error"].startswith("CollectiveTimeoutError")
+    assert results[2]["error"] is not None and results[2]["error"].startswith("CollectiveTimeoutError")
+
+
+def test_a_result_that_does_not_arrive_in_time_breaks_the_agreement() -> None:
+    tree = TreeAgreement(SideGroup("step", timedelta(seconds=5), local=True))
+    pending = Pending(tree, "step.agree", 9)  # never completed
+    with pytest.raises(CollectiveTimeoutError, match=r"step\.agree of step 9 not agreed within 0\.01s"):
+        pending.result(timedelta(seconds=0.01))
+    assert tree.stats.waits == 1
