@@ -98,6 +98,8 @@ class Model(NoisyRegressor):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.data.variant == "unbatched":
             batch = (batch[0].unsqueeze(0), batch[1].unsqueeze(0))
+        if isinstance(batch, dict):  # rows of a Hugging Face dataset
+            batch = (batch["x"].float(), batch["y"].float())
         return super().training_step(batch, batch_idx)
 
 
@@ -198,27 +200,3 @@ def test_iterable_dataset_without_state_is_named_in_one_warning(tmp_path: Path) 
         trainer.fit(StreamModel())
     assert sum("is not resumable inside an epoch" in str(w.message) for w in rec) == 1
     assert "StatefulDataLoader" in str(next(w.message for w in rec if "not resumable" in str(w.message)))
-
-
-class _PlainItems(NoisyItems):
-    """No randomness in the item: torchdata's StatefulDataLoader does not restore its workers' random streams (a
-    dataset drawing in its workers resumes with other values: measured with torchdata 0.11)."""
-
-    def __getitem__(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.randn(8, generator=torch.Generator().manual_seed(idx))
-        return x, x.mean(0, keepdim=True)
-
-
-@pytest.mark.parametrize("workers", [0, 2])
-def test_stateful_dataloader_keeps_its_own_state(tmp_path: Path, workers: int) -> None:
-    """torchdata's StatefulDataLoader is left alone: its state_dict travels with Lightning's loops in the snapshot."""
-    stateful = pytest.importorskip("torchdata.stateful_dataloader")
-    dataset = NoisyItems() if workers == 0 else _PlainItems()
-
-    class StatefulData(Data):
-        def loader(self) -> DataLoader:
-            return stateful.StatefulDataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers)
-
-    data = StatefulData("shuffle", workers, False, False)
-    reference = _fit(data, 30, [TieredCheckpoint(_tiers(tmp_path / "ref"))])
-    assert_bitwise_equal(_crash_and_resume(tmp_path / "run", data, 30, 17), reference)
