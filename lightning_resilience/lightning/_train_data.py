@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
+import lightning
 import torch
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch import Trainer
@@ -34,6 +35,7 @@ from lightning_resilience.checkpoint.data_position import raw_position
 from lightning_resilience.checkpoint.dataloader import LoaderCursor, is_map_style
 from lightning_resilience.checkpoint.rng import capture_rng_states, restore_rng_states
 from lightning_resilience.checkpoint.stateful_position import StatefulPosition, is_stateful_dataloader
+from lightning_resilience.lightning import _trainer_state
 from lightning_resilience.lightning._trainer_state import (
     consumed_batches,
     epoch_batches,
@@ -138,6 +140,13 @@ class TrainDataPosition:
                     ours.append(i)
                 else:
                     position.start_epoch(epoch)
+        if at_epoch_end and not _trainer_state.RESUMES_EPOCH_ENDS:
+            rank_zero_warn(
+                f"this resume is not exact: the snapshot was taken at the last batch of an epoch, and Lightning "
+                f"{lightning.__version__} (before 2.5) trains the next epoch's first batch as that epoch's last one, "
+                "then starts another epoch. Lightning 2.5 and later resume it exactly; a snapshot inside an epoch "
+                "resumes exactly on every version."
+            )
         # Creating an iterator draws the DataLoader's base seed from the global RNG. Lightning's setup_data has
         # already made that draw for this epoch, or the interrupted run made it long before the snapshot: the new
         # iterator draws under a fork. After a snapshot at an epoch's end the next epoch's iterator is new in the

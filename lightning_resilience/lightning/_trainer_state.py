@@ -19,8 +19,12 @@ from lightning.pytorch.loops.loop import _Loop
 # Lightning 2.5 learned to restart from a checkpoint taken in ``on_train_batch_end``; earlier versions (NeMo pins 2.4)
 # restart such a batch as if it had not been consumed
 _LIGHTNING_BEFORE_2_5 = tuple(int(p) for p in lightning.__version__.split(".")[:2]) < (2, 5)
+RESUMES_EPOCH_ENDS = not _LIGHTNING_BEFORE_2_5
+"""Lightning resumes a checkpoint taken at an epoch's last batch at the next epoch (from 2.5 on; 2.4 trains the next
+epoch's first batch as the old epoch's last one)."""
 
 __all__ = [
+    "RESUMES_EPOCH_ENDS",
     "callback_state",
     "consumed_batches",
     "discard_pending_checkpoint",

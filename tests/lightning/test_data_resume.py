@@ -3,6 +3,7 @@ gradient accumulation; a crash mid-epoch (or at an epoch boundary) ends bitwise 
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +17,14 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, S
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_resilience import LocalTier, MemoryTier, TieredCheckpoint
+from lightning_resilience.lightning import _trainer_state
 from tests.lightning._training import CrashAt, assert_bitwise_equal, weights
 
 pytestmark = pytest.mark.timeout(240)
 
 # Lightning < 2.5 (NeMo's pin) restarts a snapshot of an epoch's last batch inside that epoch and starts yet another
-# epoch after it; mid-epoch snapshots resume exactly there too
+# epoch after it (the resume says so in a warning, see test_an_inexact_epoch_end_resume_is_said_on_old_lightning);
+# mid-epoch snapshots resume exactly there too
 _EPOCH_END_ON_OLD_LIGHTNING = pytest.mark.xfail(
     tuple(int(p) for p in lightning.__version__.split(".")[:2]) < (2, 5),
     reason="Lightning < 2.5 does not resume a snapshot taken at an epoch's last batch at the next epoch",
@@ -158,6 +161,22 @@ def test_plain_dataloader_resumes_bitwise(
     steps = 34  # three epochs and a bit
     reference = _fit(data, steps, [TieredCheckpoint(_tiers(tmp_path / "ref"))])
     assert_bitwise_equal(_crash_and_resume(tmp_path / "run", data, steps, crash_at), reference)
+
+
+@pytest.mark.parametrize(("crash_at", "said"), [(22, True), (16, False)])
+def test_an_inexact_epoch_end_resume_is_said_on_old_lightning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crash_at: int, said: bool
+) -> None:
+    """On a Lightning that cannot resume a snapshot of an epoch's last batch exactly, the resume says so (and only
+    then: a snapshot inside an epoch is exact there too)."""
+    monkeypatch.setattr(_trainer_state, "RESUMES_EPOCH_ENDS", False)
+    data = Data("shuffle", 0, False, False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _crash_and_resume(tmp_path, data, crash_at + 2, crash_at)  # 11 batches an epoch: step 22 ends the second
+    messages = [str(w.message) for w in caught if "this resume is not exact" in str(w.message)]
+    assert len(messages) == int(said), messages
+    assert not said or f"Lightning {lightning.__version__} (before 2.5)" in messages[0]
 
 
 def test_unbatched_loader_resumes_bitwise(tmp_path: Path) -> None:

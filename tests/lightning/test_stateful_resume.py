@@ -46,6 +46,9 @@ class StatefulData(Data):
         if self.variant == "distributed":
             sampler = DistributedSampler(NoisyItems(), num_replicas=1, rank=0, shuffle=True, seed=3)
             return stateful.StatefulDataLoader(NoisyItems(), sampler=sampler, **kwargs)
+        if self.variant == "stateful_distributed":  # a sampler with a state of its own, which we supersede
+            sampler = stateful.sampler.StatefulDistributedSampler(NoisyItems(), num_replicas=1, rank=0, seed=3)
+            return stateful.StatefulDataLoader(NoisyItems(), sampler=sampler, **kwargs)
         if self.variant == "hf_map":
             ds = _hf_rows().with_format("torch")
             ds.set_transform(
@@ -64,6 +67,7 @@ CASES = [
     ("shuffle", 0, False, 16),
     ("shuffle", 2, False, 16),
     ("distributed", 2, True, 15),
+    ("stateful_distributed", 0, False, 15),
     ("hf_map", 2, False, 17),
     ("hf_iterable", 0, False, 17),
     ("hf_iterable", 2, False, 17),
