@@ -142,10 +142,10 @@ class TrainDataPosition:
                     position.start_epoch(epoch)
         if at_epoch_end and not _trainer_state.RESUMES_EPOCH_ENDS:
             rank_zero_warn(
-                f"this resume is not exact: the snapshot was taken at the last batch of an epoch, and Lightning "
-                f"{lightning.__version__} (before 2.5) trains the next epoch's first batch as that epoch's last one, "
-                "then starts another epoch. Lightning 2.5 and later resume it exactly; a snapshot inside an epoch "
-                "resumes exactly on every version."
+                f"this resume may not be exact: the snapshot was taken at the last batch of an epoch, which Lightning "
+                f"{lightning.__version__} (before 2.5) restarts inside that epoch: unless a validation runs there, it "
+                "trains the next epoch's first batch as that epoch's last one, then starts another epoch. Lightning "
+                "2.5 and later resume it exactly; a snapshot inside an epoch resumes exactly on every version."
             )
         # Creating an iterator draws the DataLoader's base seed from the global RNG. Lightning's setup_data has
         # already made that draw for this epoch, or the interrupted run made it long before the snapshot: the new
