@@ -96,10 +96,9 @@ class StatefulPosition:
         if handed == newest.handed and newest.state is not None:
             newest.rng = capture_rng_states()
         elif handed > newest.handed:
-            # the loader may hand out live dicts that it changes later
-            state = copy.deepcopy(self.loader.state_dict())
-            self._records = [*self._records[:1], *self._records[1:][-_KEPT:], _Record(epoch, handed, state, None)]
-            self._records[-1].rng = capture_rng_states()
+            state = copy.deepcopy(self.loader.state_dict())  # the loader may hand out live dicts it changes later
+            newest = _Record(epoch, handed, state, capture_rng_states())
+            self._records = [*self._records[:1], *self._records[1:][-_KEPT:], newest]
 
     def state_dict(self, epoch: int, consumed: int) -> dict[str, Any]:
         """The position after ``consumed`` batches of ``epoch``: the newest record not ahead of it."""
@@ -143,7 +142,7 @@ class StatefulPosition:
             state, consumed = pending["state"], int(pending["consumed"])
             loader.load_state_dict(state if state is not None else {})
             if consumed > int(pending["handed"]):
-                # an iterator created as the interrupted epoch's was, then the batches it fetched before the record
+                # an iterator created as the interrupted epoch's was, and the batches consumed after the record
                 dropped = iter(loader)
                 for _ in range(consumed - int(pending["handed"])):
                     next(dropped, None)

@@ -81,7 +81,8 @@ class TrainDataPosition:
         self._pending = state
 
     def state_dict(self) -> list[dict[str, Any] | None] | None:
-        """Each train loader's position after the batches training consumed (None for loaders left alone)."""
+        """Each train loader's position after the batches training consumed (None for a loader left alone, a marker
+        for one left alone with a state of its own)."""
         if self._trainer is None:
             return self._pending
         trainer = self._trainer
@@ -174,11 +175,9 @@ class TrainDataPosition:
 
         restart_train_iterator(trainer, ours, create, fetching_ahead)
         self.record(trainer)  # the next batch is fetched from here: a checkpoint after it continues from this state
-        if all(c is not None or p is not None or isinstance(dl, _Stateful) for c, p, dl in self._members(loaders)):
+        taken = zip(self._cursors, self._positions, loaders)
+        if all(c is not None or p is not None or isinstance(dl, _Stateful) for c, p, dl in taken):
             warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)
-
-    def _members(self, loaders: list[Any]) -> Iterator[tuple[LoaderCursor | None, StatefulPosition | None, Any]]:
-        return zip(self._cursors, self._positions, loaders)
 
     def record(self, trainer: Trainer) -> None:
         """Whenever the next train batch fetched is the next one drawn in this process (after a batch, after
