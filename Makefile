@@ -13,7 +13,7 @@ repo_on_path = $(1) -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_pa
 	'lightning_resilience_checkout.pth').write_text('$(CURDIR)\n')"
 
 .PHONY: venv nemo-venv demo launch-drills test lint typecheck unit bench gpu-check clean drills-data drills \
-	stalls-before-after
+	stalls-before-after drills-loaders
 
 $(STAMP): setup.cfg setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +83,12 @@ clean:
 DRILL_N ?= 0
 drills-data: $(STAMP)
 	LR_DRILLS=all DRILL_N=$(DRILL_N) $(BIN)/python -m pytest -q -s tests/drills/test_data_drills.py
+
+# Every kill drill of the stateful loaders (torchdata's StatefulDataLoader shuffled or with the user's
+# DistributedSampler, Hugging Face map-style and iterable datasets; workers 0 and 2), each against its own
+# uninterrupted run (about 16 minutes); CI runs one of them.
+drills-loaders: $(STAMP)
+	LR_DRILLS=all $(BIN)/python -m pytest -q -s tests/drills/test_loader_drills.py
 
 # The randomized fault campaign (docs/reliability.md): N torchrun drills of the user's path, each with a random fault
 # (drill i from seed SEED + i; replay one with N=1 SEED=<its seed>), checked bitwise and for lost steps, corrupt

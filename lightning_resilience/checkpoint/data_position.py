@@ -24,7 +24,7 @@ import itertools
 import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -120,6 +120,18 @@ def _primed(it: Iterator[Any]) -> Iterator[Any]:
     sentinel = object()
     first = next(it, sentinel)
     return it if first is sentinel else itertools.chain((first,), it)
+
+
+def _chunks_its_sampler(batch_sampler: Any) -> TypeGuard[BatchSampler]:
+    """Its batches are consecutive chunks of its sampler's indices: torch's ``BatchSampler``, or torchdata's (the same
+    batching, with a state of its own)."""
+    if type(batch_sampler) is BatchSampler:
+        return True
+    try:
+        from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
+    except ImportError:
+        return False
+    return type(batch_sampler) is StatefulBatchSampler
 
 
 class _Resumed:
@@ -226,7 +238,7 @@ class ResumableBatchSampler(Sampler[Any]):
 
     def _advanced(self, start: int) -> Iterator[Any]:
         inner = self.inner
-        if type(inner) is BatchSampler:  # batches are consecutive chunks: skip start * batch_size indices
+        if _chunks_its_sampler(inner):  # batches are consecutive chunks: skip start * batch_size indices
             indices = _primed(iter(inner.sampler))
             _consume(indices, start * inner.batch_size)
             return iter(BatchSampler(_Resumed(indices), inner.batch_size, inner.drop_last))

@@ -20,15 +20,16 @@ when ``M`` does not divide ``k * N``).
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from lightning_resilience.checkpoint.data_position import EpochStart, ResumableBatchSampler
 
-__all__ = ["LoaderCursor", "ResumableDataLoader", "is_map_style"]
+__all__ = ["LoaderCursor", "ResumableDataLoader", "drop_persistent_iterator", "is_map_style"]
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +39,44 @@ def is_map_style(loader: Any) -> bool:
     return isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset)
 
 
+def _wrapped(obj: Any) -> list[Any]:
+    """The samplers ``obj`` wraps: a batch sampler's ``sampler``, and the sampler that Lightning's
+    ``DistributedSamplerWrapper`` keeps behind its ``dataset`` (an index dataset holding it as ``_sampler``)."""
+    inner = [getattr(obj, "sampler", None), getattr(obj, "batch_sampler", None), getattr(obj, "_sampler", None)]
+    dataset = getattr(obj, "dataset", None) if isinstance(obj, Sampler) else None
+    if isinstance(getattr(dataset, "_sampler", None), Sampler):
+        inner.append(dataset)
+    return inner
+
+
 def _generators(loader: DataLoader) -> list[torch.Generator]:
-    """The loader's own generators its epoch order can draw from (the global one is captured separately)."""
+    """The loader's own generators its epoch order can draw from (the global one is captured separately): the
+    loader's ``generator`` and those of its samplers and of the samplers they wrap (torchdata's ``RandomSampler``
+    inside Lightning's ``DistributedSamplerWrapper``); datasets are not searched."""
     found: dict[int, torch.Generator] = {}
-    batch_sampler = loader.batch_sampler
-    for obj in (loader, loader.sampler, batch_sampler, getattr(batch_sampler, "sampler", None)):
+    seen: set[int] = set()
+    todo: deque[Any] = deque([loader, loader.sampler, loader.batch_sampler])
+    while todo:  # breadth first: the loader's and its samplers' generators come first, in this order
+        obj = todo.popleft()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
         gen = getattr(obj, "generator", None)
         if isinstance(gen, torch.Generator) and gen.device.type == "cpu":
             found[id(gen)] = gen
+        if obj is not loader:
+            todo.extend(_wrapped(obj))
     return list(found.values())
+
+
+def drop_persistent_iterator(loader: DataLoader) -> None:
+    """Shut down the iterator a loader with persistent workers keeps between epochs; its next ``iter()`` starts anew."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+        loader._iterator = None
 
 
 class LoaderCursor:
@@ -70,7 +100,7 @@ class LoaderCursor:
         )
         # DataLoader refuses to change its sampler after construction; the loader object stays the user's own
         object.__setattr__(loader, self._field, self.sampler)
-        self._drop_persistent_iterator()
+        drop_persistent_iterator(self.loader)  # it holds the index sampler it was created with
 
     @property
     def replicas(self) -> int:
@@ -87,16 +117,7 @@ class LoaderCursor:
         """Give the loader its own index sampler back."""
         if getattr(self.loader, self._field) is self.sampler:
             object.__setattr__(self.loader, self._field, self._original)
-            self._drop_persistent_iterator()
-
-    def _drop_persistent_iterator(self) -> None:
-        # persistent workers keep the iterator, and it holds the index sampler it was created with
-        iterator = getattr(self.loader, "_iterator", None)
-        if iterator is not None:
-            shutdown = getattr(iterator, "_shutdown_workers", None)
-            if callable(shutdown):
-                shutdown()
-            self.loader._iterator = None
+            drop_persistent_iterator(self.loader)  # it holds the index sampler it was created with
 
     def state_dict(self, consumed: int, epoch_batches: int | None = None) -> dict[str, Any]:
         """The position after ``consumed`` batches of the current epoch (of ``epoch_batches``, default all)."""

@@ -8,6 +8,7 @@ Lightning upgrade touches one place (checked against Lightning 2.4 to 2.6).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import lightning
@@ -18,16 +19,23 @@ from lightning.pytorch.loops.loop import _Loop
 # Lightning 2.5 learned to restart from a checkpoint taken in ``on_train_batch_end``; earlier versions (NeMo pins 2.4)
 # restart such a batch as if it had not been consumed
 _LIGHTNING_BEFORE_2_5 = tuple(int(p) for p in lightning.__version__.split(".")[:2]) < (2, 5)
+RESUMES_EPOCH_ENDS = not _LIGHTNING_BEFORE_2_5
+"""Lightning resumes a checkpoint taken at an epoch's last batch at the next epoch (from 2.5 on; 2.4 trains the next
+epoch's first batch as the old epoch's last one)."""
 
 __all__ = [
+    "RESUMES_EPOCH_ENDS",
+    "callback_state",
     "consumed_batches",
     "discard_pending_checkpoint",
     "dump_trainer_state",
     "epoch_batches",
+    "fetched_ahead",
     "pending_checkpoint_step",
     "restart_train_iterator",
     "restore_trainer_state",
     "rewind_fetcher",
+    "supersede_loader_states",
     "train_loaders",
 ]
 
@@ -118,13 +126,18 @@ def train_loaders(trainer: Trainer) -> list[Any]:
     return [] if combined is None else list(combined.flattened)
 
 
-def restart_train_iterator(trainer: Trainer, indices: list[int], create: Callable[[Any], Any] = iter) -> None:
+def restart_train_iterator(
+    trainer: Trainer,
+    indices: list[int],
+    create: Callable[[Any], Any] = iter,
+    fetching_ahead: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> None:
     """Create the iterators of train loaders ``indices`` anew with ``create`` (their samplers changed after
     ``setup_data``, which creates the train iterator before any callback hook can act).
 
     Only the named loaders' iterators are replaced, so a stateful loader that already loaded its position keeps it;
-    when the fetcher has prefetched a batch (loaders without a length) the whole iterator is created anew, as its
-    epoch start does.
+    when the fetcher fetches ahead (loaders without a length) the whole iterator is created anew inside
+    ``fetching_ahead()``, as its epoch start does, with the batch it fetches ahead.
     """
     fetcher = trainer.fit_loop._data_fetcher
     if fetcher is None or not indices:
@@ -137,11 +150,39 @@ def restart_train_iterator(trainer: Trainer, indices: list[int], create: Callabl
         _set_sampler_epoch(loader, epoch)
     mode_iterator = combined._iterator
     if mode_iterator is None or getattr(fetcher, "batches", None):
-        combined.reset()
-        iter(fetcher)
+        combined.reset()  # shuts the old iterators' workers down first
+        with fetching_ahead():
+            iter(fetcher)
         return
     for i in indices:
         mode_iterator.iterators[i] = create(combined.flattened[i])  # the old one shuts its workers down when dropped
+
+
+def fetched_ahead(trainer: Trainer) -> int:
+    """Batches the train fetcher has taken from the loaders beyond those handed to training (it fetches one ahead
+    for loaders without a length, to know the last batch in advance)."""
+    fetcher = trainer.fit_loop._data_fetcher
+    return len(getattr(fetcher, "batches", None) or ())
+
+
+def supersede_loader_states(checkpoint: dict[str, Any], superseded: list[bool]) -> None:
+    """In a checkpoint about to be restored: Lightning restores an empty state into the stateful train loaders marked
+    in ``superseded`` (one flag per loader whose state Lightning saved with its loops, in order); the checkpoint's own
+    objects are left as they are."""
+    loops = checkpoint.get("loops") or {}
+    fit = loops.get("fit_loop") or {}
+    saved = fit.get("state_dict") or {}
+    states = saved.get("combined_loader")
+    if not states or len(states) != len(superseded) or not any(superseded):
+        return
+    emptied = [{} if drop else state for state, drop in zip(states, superseded)]
+    checkpoint["loops"] = {**loops, "fit_loop": {**fit, "state_dict": {**saved, "combined_loader": emptied}}}
+
+
+def callback_state(checkpoint: dict[str, Any], state_key: str) -> dict[str, Any] | None:
+    """The state a callback saved in ``checkpoint`` (None if it saved none)."""
+    state = (checkpoint.get("callbacks") or {}).get(state_key)
+    return state if isinstance(state, dict) else None
 
 
 def consumed_batches(trainer: Trainer) -> int:

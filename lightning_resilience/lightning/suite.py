@@ -15,7 +15,8 @@ through the ``lightning.pytorch.callbacks_factory`` entry point. It does nothing
 
 A bad preset, key or value stops the Trainer's construction with a message that names it. The callbacks come
 wrapped in one :class:`ResilienceSuite`, which adds at ``setup`` only those the Trainer lacks (a callback the user
-added is never added twice) and says at fit start what it enabled.
+added is never added twice), removes Lightning's default ``ModelCheckpoint`` when it adds its checkpoint callback, and
+says at fit start what it did.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
@@ -203,7 +204,10 @@ class ResilienceSuite(Callback):
 
     A callback of the same kind that the Trainer already has (from the user, a model's ``configure_callbacks`` or
     NeMo's ``exp_manager``) is kept and ours is dropped. Added callbacks go where Lightning would put them
-    (checkpoints last) and are set up here, in the Trainer's own ``setup`` pass.
+    (checkpoints last) and are set up here, in the Trainer's own ``setup`` pass. When it adds a checkpoint callback,
+    Lightning's default ``ModelCheckpoint`` (which Lightning adds unless told not to, and which writes a full
+    ``.ckpt`` at every epoch's end) is removed; a ``ModelCheckpoint`` the user configured stays, and the message at
+    fit start names it.
 
     Args:
         callbacks: the suite's callbacks (from :func:`build_suite`).
@@ -216,6 +220,8 @@ class ResilienceSuite(Callback):
         self.source, self.run_dir = source, run_dir
         self.added: list[Callback] = []
         self.kept: list[Callback] = []
+        self.removed: list[ModelCheckpoint] = []
+        """Lightning's default ``ModelCheckpoint``, when a checkpoint callback of ours replaced it."""
         self._done = False
 
     @override
@@ -229,6 +235,9 @@ class ResilienceSuite(Callback):
             (self.kept if same is not None else self.added).append(same or cb)
         first = [cb for cb in self.added if not isinstance(cb, Checkpoint)]
         last = [cb for cb in self.added if isinstance(cb, Checkpoint)]
+        if last:
+            self.removed = [cb for cb in present if _is_lightning_default(cb)]
+            present = [cb for cb in present if cb not in self.removed]
         me = present.index(self)
         # a new list: Lightning's setup pass goes on over the old one, and we set up the added callbacks here
         trainer.callbacks = [*present[: me + 1], *first, *present[me + 1 :], *last]  # type: ignore[attr-defined]
@@ -241,11 +250,27 @@ class ResilienceSuite(Callback):
             return
         added = ", ".join(describe(cb) for cb in self.added) or "nothing"
         kept = ", ".join(type(cb).__name__ for cb in self.kept)
+        own = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]  # type: ignore[attr-defined]
         rank_zero_info(
             f"lightning_resilience: enabled by {self.source}: {added}"
             + (f"; the Trainer's own {kept} kept" if kept else "")
+            + "".join(f"; Lightning's default ModelCheckpoint removed (no .ckpt files in {cb.dirpath})"
+                      for cb in self.removed)
+            + "".join(f"; the Trainer's own {type(cb).__name__} kept: it writes full .ckpt files in {cb.dirpath}"
+                      for cb in own)
             + (f"; run_dir {self.run_dir}" if self.run_dir else "")
-        )
+        )  # fmt: skip
+
+
+def _is_lightning_default(cb: Callback) -> TypeGuard[ModelCheckpoint]:
+    """The ``ModelCheckpoint`` Lightning adds when the Trainer has no checkpoint callback: one with every setting at
+    its default (a ``ModelCheckpoint()`` the user passed without arguments is the same thing)."""
+
+    def settings(c: ModelCheckpoint) -> tuple[Any, ...]:
+        # state_key holds monitor, mode and the every_n_train_steps / every_n_epochs / train_time_interval cadences
+        return c.state_key, c.dirpath, c.filename, c.save_last, c.save_top_k, c.save_weights_only
+
+    return type(cb) is ModelCheckpoint and settings(cb) == settings(ModelCheckpoint())
 
 
 def describe(cb: Callback) -> str:

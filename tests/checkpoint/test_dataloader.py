@@ -351,3 +351,32 @@ def test_worker_randomness_does_not_depend_on_the_number_of_workers() -> None:
         return _as_lists(list(ResumableDataLoader(_Augmented(12), batch_size=2, shuffle=True, num_workers=workers)))
 
     assert epoch(1) == epoch(2)
+
+
+def test_cursor_replays_a_stateful_loader_whose_sampler_lightning_wrapped() -> None:
+    """torchdata's ``StatefulDataLoader(shuffle=True)`` under DDP: Lightning wraps torchdata's own ``RandomSampler``
+    (not torch's) in a ``DistributedSamplerWrapper``; its generator, found behind the wrapper, is put back to replay
+    the order of an epoch that is not the first."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    from lightning_resilience.checkpoint.dataloader import LoaderCursor
+
+    def loader() -> tuple[Any, LoaderCursor]:
+        torch.manual_seed(4)  # torchdata's sampler seeds its generator from the global one when built
+        inner = stateful.StatefulDataLoader(_Indices(), shuffle=True).sampler
+        wrapped = DistributedSamplerWrapper(inner, num_replicas=2, rank=1, shuffle=False)
+        dl = stateful.StatefulDataLoader(_Indices(), batch_size=3, sampler=wrapped)
+        return dl, LoaderCursor(dl)
+
+    dl, cursor = loader()
+    list(dl)  # the first epoch moves the sampler's generator on
+    it = iter(dl)
+    next(it), next(it)
+    state = _through_checkpoint(cursor.state_dict(consumed=2))
+    rest = _as_lists(list(it))
+
+    _scramble_global_rng()
+    dl2, cursor2 = loader()  # a new process: the sampler's generator is where it was before the first epoch
+    assert cursor2.load_state_dict(state)
+    assert _as_lists(list(dl2)) == rest

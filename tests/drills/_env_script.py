@@ -3,7 +3,8 @@ alone (Lightning's ``callbacks_factory`` entry point), as a user switches it on 
 
 The user's code is ``_user_script.py``'s (``DataLoader(shuffle=True)`` with workers, dropout, ``torch.randn`` noise,
 StepLR, DDP on 2 CPU ranks); the drill plumbing comes from ``_user_code.py``, which imports nothing of ours either.
-A resumed attempt reports the step it started from as its restored step.
+A resumed attempt reports the step it started from as its restored step. Checkpointing is left on, as a user leaves
+it: the suite replaces Lightning's default ``ModelCheckpoint`` with its own checkpoint callback.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ def main(argv: list[str]) -> None:
         strategy="ddp",
         callbacks=drill_callbacks(args),
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(args.run_dir),

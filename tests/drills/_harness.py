@@ -57,6 +57,8 @@ class Drill:
     """Bound on each launch (a hang fails the drill instead of blocking the suite)."""
     checkpoint: str = "local"
     """The checkpoint preset (``--checkpoint`` of the script, see ``tests/drills/_user_code.py``)."""
+    args: tuple[str, ...] = ()
+    """More arguments of the script (e.g. the train loader of ``tests/drills/_loader_script.py``)."""
 
     def __post_init__(self) -> None:
         if self.fault not in FAULTS:
@@ -77,10 +79,12 @@ class Drill:
             world_size=self.world_size,
             script=self.script,
             checkpoint=self.checkpoint,
+            args=self.args,
         )
 
     def describe(self) -> str:
         where = "" if self.checkpoint == "local" else f", checkpoint={self.checkpoint}"
+        where += "".join(f", {arg}" for arg in self.args)
         return f"{self.fault} rank {self.rank} step {self.step} (workers={self.workers}, steps={self.steps}{where})"
 
 
@@ -163,6 +167,7 @@ def run_drill(drill: Drill, run_dir: Path, max_launches: int = 2, env: dict[str,
         ]  # fmt: skip
         if drill.checkpoint != "local":
             args += ["--checkpoint", drill.checkpoint]
+        args += drill.args
         proc = _run_bounded(launch_command(drill, args), {**_env(), **(env or {})}, drill.timeout_s)
         result.launches.append(proc)
         (run_dir / f"launch{launch}.log").write_text(proc.stdout + "\n---- stderr ----\n" + proc.stderr)

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 import torch
 from hydra import compose, initialize_config_dir
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_everything
 from torch.utils.data import DataLoader
 
 from lightning_resilience import DecidedExit, LocalTier, RemoteTier, Suite, TieredCheckpoint
@@ -219,24 +219,31 @@ def main(argv: list[str]) -> int:
     extra = drill_callbacks(args, _restored, store)
     arm(args, extra, callbacks)
     # ---- the user's script
-    trainer = Trainer(
+    return fit_and_save(user_trainer(args, [*callbacks, *extra]), model, loader, args)
+
+
+def user_trainer(args: argparse.Namespace, callbacks: list[Callback]) -> Trainer:
+    """The user's Trainer: DDP on the ranks torchrun started, on CPU."""
+    return Trainer(
         max_steps=args.steps,
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         strategy="ddp",
-        callbacks=[*callbacks, *extra],
+        callbacks=callbacks,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(args.run_dir),
     )
-    return fit_and_save(trainer, model, loader, args)
 
 
-def fit_and_save(trainer: Trainer, model: torch.nn.Module, loader: DataLoader[Any], args: argparse.Namespace) -> int:
-    """Train; the final weights are saved unless the suite decided to stop (then its exit code is returned)."""
+def fit_and_save(
+    trainer: Trainer, model: torch.nn.Module, data: DataLoader[Any] | LightningDataModule, args: argparse.Namespace
+) -> int:
+    """Train on ``data`` (the train loader or a datamodule); the final weights are saved unless the suite decided to
+    stop (then its exit code is returned)."""
     try:
-        trainer.fit(model, loader)
+        trainer.fit(model, data)
     except DecidedExit as decided:  # a decided stop: the process group goes first, then the exit
         return int(decided.exit_code)
     save_weights(trainer, model, args)

@@ -1,7 +1,8 @@
 """The zero-code path under a real fault: a plain Lightning script with no import of lightning_resilience
 (``_env_script.py``: ``DataLoader(shuffle=True)``, dropout, noise, StepLR, DDP on 2 CPU ranks), switched on by
 ``LIGHTNING_RESILIENCE`` alone, launched by torchrun, SIGKILLed mid-epoch on one rank, restarted by torchrun, ends
-bitwise equal to an uninterrupted run."""
+bitwise equal to an uninterrupted run. Lightning's default ``ModelCheckpoint`` (the script leaves checkpointing on)
+is removed by the suite: neither run leaves a ``.ckpt`` file or a ``checkpoints/`` directory."""
 
 from __future__ import annotations
 
@@ -39,3 +40,6 @@ def test_environment_alone_kill_mid_epoch_resumes_bitwise(tmp_path: Path, monkey
     assert len(result.finished) == 2, result.reports
     diff = first_difference(result.weights(), reference.weights())
     assert diff is None, f"killed after step {step}: {diff} (DRILL_SEED={drill_seed()}; logs in {tmp_path})"
+    assert "Lightning's default ModelCheckpoint removed" in result.log(), result.log()
+    leftovers = [*tmp_path.rglob("*.ckpt"), *tmp_path.rglob("checkpoints")]
+    assert not leftovers, f"files the user did not ask for: {leftovers}"

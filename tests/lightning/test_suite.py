@@ -4,6 +4,7 @@ twice."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_resilience import LocalTier, MemoryTier, Suite, TieredCheckpoint
 from lightning_resilience.config.registry import ResilienceConfigError
@@ -107,6 +109,44 @@ def test_the_trainer_own_callbacks_are_kept_and_the_rest_added(tmp_path: Path, m
     assert not (tmp_path / "suite" / "ckpt").exists() and (tmp_path / "suite" / "resilience_report.json").is_file()
 
 
+def _fit_switched_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, callbacks: list) -> Trainer:
+    """A Trainer as a user builds it (checkpointing left on), switched on by the environment."""
+    monkeypatch.setenv(ENV_VAR, f"default run_dir={tmp_path / 'suite'}")
+    model, data = build()
+    fit = Trainer(max_steps=14, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  limit_val_batches=0, default_root_dir=tmp_path / "root", callbacks=callbacks)  # fmt: skip
+    fit.fit(model, datamodule=data)  # 12 batches an epoch: an epoch's end, where a ModelCheckpoint writes
+    return fit
+
+
+def test_lightning_default_model_checkpoint_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The user asked for TieredCheckpoint only: no full .ckpt file at every epoch's end, no checkpoints/ directory."""
+    with caplog.at_level(logging.INFO):
+        fit = _fit_switched_on(tmp_path, monkeypatch, [])
+    (switch,) = [cb for cb in fit.callbacks if isinstance(cb, ResilienceSuite)]  # type: ignore[attr-defined]
+    assert [type(cb) for cb in switch.removed] == [ModelCheckpoint]
+    assert not any(isinstance(cb, ModelCheckpoint) for cb in fit.callbacks)  # type: ignore[attr-defined]
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("checkpoints"))
+    assert (tmp_path / "suite" / "ckpt" / f"step_{14:012d}").is_dir()
+    assert f"Lightning's default ModelCheckpoint removed (no .ckpt files in {tmp_path / 'root' / 'checkpoints'})" in (
+        caplog.text
+    )
+
+
+def test_a_model_checkpoint_the_user_configured_stays_and_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    mine = ModelCheckpoint(dirpath=tmp_path / "mine", every_n_train_steps=7)
+    with caplog.at_level(logging.INFO):
+        fit = _fit_switched_on(tmp_path, monkeypatch, [mine])
+    (switch,) = [cb for cb in fit.callbacks if isinstance(cb, ResilienceSuite)]  # type: ignore[attr-defined]
+    assert switch.removed == [] and mine in fit.callbacks  # type: ignore[attr-defined]
+    assert [p.name for p in (tmp_path / "mine").glob("*.ckpt")] == ["epoch=1-step=14.ckpt"]
+    assert f"the Trainer's own ModelCheckpoint kept: it writes full .ckpt files in {tmp_path / 'mine'}" in caplog.text
+
+
 def test_a_hydra_app_switched_on_by_its_overrides(tmp_path: Path) -> None:
     """A plain Hydra app (nothing of ours imported): ``+resilience=minimal`` on its command line is the switch."""
     app = tmp_path / "app.py"
@@ -148,6 +188,7 @@ def test_a_hydra_app_switched_on_by_its_overrides(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "lightning_resilience: enabled by the Hydra overrides: TieredCheckpoint(" in proc.stdout + proc.stderr
     assert (run / "ckpt" / f"step_{3:012d}").is_dir()
+    assert not list(tmp_path.rglob("*.ckpt")), "Lightning's default ModelCheckpoint was not removed"
     bad = subprocess.run([*cmd, "resilience.checkpoint.tiers.1.keep=0"], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=240)  # fmt: skip
     assert bad.returncode != 0 and "resilience.checkpoint.tiers[1].keep must be >= 1, got 0" in bad.stderr

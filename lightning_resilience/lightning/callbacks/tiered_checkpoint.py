@@ -21,6 +21,7 @@ from lightning_resilience.exit_codes import DecidedExit
 from lightning_resilience.lightning._metrics import log_host_metrics, logging_step
 from lightning_resilience.lightning._train_data import TrainDataPosition
 from lightning_resilience.lightning._trainer_state import (
+    callback_state,
     discard_pending_checkpoint,
     dump_trainer_state,
     pending_checkpoint_step,
@@ -45,10 +46,12 @@ class TieredCheckpoint(Checkpoint):
         Trainer(callbacks=[TieredCheckpoint(tiers=[MemoryTier(every_n_steps=1, keep=2),
                                                    LocalTier("/nvme/ckpt", every_n_steps=20, keep=3)])])
 
-    Resuming inside an epoch is exact (bitwise) with the user's own train loaders: a map-style ``DataLoader``
-    (any sampler, any ``num_workers``) continues at the next batch, skipping at the level of indices; a stateful
-    loader (torchdata's ``StatefulDataLoader``, any loader with ``state_dict``) keeps its own state; a loader over an
-    iterable dataset without state is named in a warning at fit start.
+    Resuming inside an epoch is exact (bitwise) with the user's own train loaders: a map-style ``DataLoader`` or
+    torchdata ``StatefulDataLoader`` (any sampler, any ``num_workers``) continues at the next batch, skipping at the
+    level of indices; a ``StatefulDataLoader`` over an iterable dataset with state continues from its own state,
+    taken in step with the batches trained on; another loader with ``state_dict`` keeps its own state; what cannot
+    be made exact (a loader over an iterable dataset without state, random draws in the workers of an iterable
+    dataset) is named in a warning at fit start.
 
     Args:
         tiers: where snapshots go (tiers, or their config dataclasses); each has its own ``every_n_steps`` and
@@ -189,6 +192,22 @@ class TieredCheckpoint(Checkpoint):
         # the train loaders exist now, Lightning's sampler injected: continue the saved epoch at its next batch
         self._data.attach(trainer)
 
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._data.start_epoch(trainer)
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._data.record(trainer)  # validation inside an epoch draws from the generators the next batch draws from
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # a stateful loader's state, for this step's snapshot (taken by the step driver, after every callback's
+        # on_train_batch_end) or the next ones
+        self._data.record(trainer)
+
     def snapshot(self, step: int) -> None:
         """The step driver's snapshot phase: capture the state of ``step`` (the driver skips a suspect state)."""
         if self._fit is not None and self._suite is not None:
@@ -322,6 +341,12 @@ class TieredCheckpoint(Checkpoint):
     def state_dict(self) -> dict[str, Any]:
         # RNG streams of this rank travel with every checkpoint Lightning takes while we are attached
         return {"rng": capture_rng_states(), "restores": self.restores, "data": self._data.state_dict()}
+
+    @override
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # before Lightning restores its loops: loaders whose position we restore get nothing of their own state
+        mine = callback_state(checkpoint, self.state_key)
+        TrainDataPosition.supersede(checkpoint, None if mine is None else mine.get("data"))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
