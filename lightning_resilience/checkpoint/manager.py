@@ -81,6 +81,7 @@ class CheckpointManager:
         self.identity = TierIdentity()
         self.stats = CheckpointStats(tiers={t.name: TierStats() for t in self.tiers})
         self._meta_providers: list[Callable[[int], dict[str, Any]]] = []
+        self._commit_listeners: list[Callable[[str, int], None]] = []
         self._warned: set[str] = set()
         self._closed = False
         self._failure: BaseException | None = None
@@ -105,6 +106,11 @@ class CheckpointManager:
         Other components record what they know about a step this way, e.g. whether it was verified clean.
         """
         self._meta_providers.append(provider)
+
+    def add_commit_listener(self, listener: Callable[[str, int], None]) -> None:
+        """Call ``listener(tier_name, step)`` on the training thread for every write a persistent tier committed,
+        once the manager knows of it (the launcher learns the job's progress this way)."""
+        self._commit_listeners.append(listener)
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:  # the same state shape is captured every step: say it once
@@ -242,7 +248,14 @@ class CheckpointManager:
             log.error("emergency save: this rank cannot write (%s: %s)", type(err).__name__, err)
             ok = False
         save = EmergencySave(self._memory, self._persistent, self._group if collective else None, budget, self.stats)
-        return save.run(ok)
+        before = {t.name: self.stats.tiers[t.name].writes for t in self._persistent}
+        saved = save.run(ok)
+        for tier in self._persistent:  # the emergency writes bypass the worker: tell the listeners here
+            stats = self.stats.tiers[tier.name]
+            if stats.writes != before[tier.name] and stats.last_step is not None:
+                for listener in self._commit_listeners:
+                    listener(tier.name, stats.last_step)
+        return saved
 
     def wait_snapshot(self) -> None:
         """Block (bounded) until the newest snapshot's background copy has landed; the wait counts as blocking."""
@@ -336,6 +349,8 @@ class CheckpointManager:
                 stats = self.stats.tiers[res.tier]
                 if res.error is None:
                     stats.record_write(res.step, res.nbytes, res.seconds)
+                    for listener in self._commit_listeners:
+                        listener(res.tier, res.step)
                     continue
                 error = stats.record_failure(res.error)
                 log.warning(

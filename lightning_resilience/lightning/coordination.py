@@ -35,6 +35,7 @@ from lightning_resilience.exit_codes import DecidedExit, ExitCode
 from lightning_resilience.lightning._metrics import log_host_metrics
 from lightning_resilience.lightning.rollback import InProcessRollback
 from lightning_resilience.policy import Action, Decision, Event, PolicyBus, PolicyConfig, Verdict
+from lightning_resilience.rundir import RunDir
 
 if TYPE_CHECKING:
     from lightning_resilience.lightning.callbacks.fault_tolerance import FaultTolerance
@@ -47,7 +48,7 @@ __all__ = ["RESTORE_BOUND_FILE", "Reporting", "RestoreBound", "Suite"]
 
 log = logging.getLogger(__name__)
 
-RESTORE_BOUND_FILE = "restore_bound.json"
+RESTORE_BOUND_FILE = RunDir(Path()).restore_bound.name
 """Written to the run directory when the state was found corrupt: the next attempt restores at most its step."""
 
 _NO_BOUND = 2**62
@@ -306,14 +307,13 @@ class Suite:
 
     # ------------------------------------------------------------------ restore bound
     def record_dir(self, trainer: Trainer) -> Path:
-        """Where the suite keeps records that outlive an attempt: SDC's run_dir, else <default_root_dir>/resilience."""
-        if self.sdc is not None and self.sdc.config.run_dir:
-            return Path(self.sdc.config.run_dir)
-        return Path(trainer.default_root_dir) / "resilience"
+        """Where the suite keeps records that outlive an attempt: SDC's run_dir, else the launcher's, else
+        <default_root_dir>/resilience (:meth:`RunDir.resolve`)."""
+        return RunDir.resolve(self.sdc.config.run_dir if self.sdc is not None else None, trainer.default_root_dir).root
 
     def _write_restore_bound(self, trainer: Trainer, verdict: Verdict) -> None:
         # every rank writes the same record: the run directory may be node-local
-        path = self.record_dir(trainer) / RESTORE_BOUND_FILE
+        path = RunDir(self.record_dir(trainer)).restore_bound
         record = {
             "max_step": verdict.verified_step if verdict.verified_step is not None else 0,
             "detected_at": verdict.step,
@@ -329,7 +329,7 @@ class Suite:
 
     def restore_bound(self, trainer: Trainer) -> RestoreBound | None:
         """Collective: the bound every rank agrees on (the lowest any rank's record names), or None."""
-        path = self.record_dir(trainer) / RESTORE_BOUND_FILE
+        path = RunDir(self.record_dir(trainer)).restore_bound
         record: dict[str, Any] = {}
         try:
             record = json.loads(path.read_text()) if path.is_file() else {}
@@ -344,7 +344,7 @@ class Suite:
 
     def clear_restore_bound(self, trainer: Trainer) -> None:
         """After the suspect steps are gone on every rank (the caller's barrier): forget the bound."""
-        (self.record_dir(trainer) / RESTORE_BOUND_FILE).unlink(missing_ok=True)
+        RunDir(self.record_dir(trainer)).restore_bound.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ report
     def report(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from lightning_resilience.ft.watchdog import OUT_OF_SECTION, Hang, HangHandler, 
 from lightning_resilience.lightning._metrics import log_host_metrics, logging_step
 from lightning_resilience.lightning.coordination import Suite
 from lightning_resilience.policy import Action, Event, Verdict
+from lightning_resilience.rundir import RunDir
 
 __all__ = ["FaultTolerance"]
 
@@ -129,7 +130,7 @@ class FaultTolerance(Callback):
         self._started_training, self._last_step, self._boundaries = False, -1, 0
         self.preempted_at = self.emergency_saved = None
         self.exception = None
-        self.run_dir = Path(cfg.run_dir) if cfg.run_dir else Path(trainer.default_root_dir) / "resilience"
+        self.run_dir = RunDir.resolve(cfg.run_dir, trainer.default_root_dir).root
         self.attempt = current_attempt(trainer.global_rank, trainer.world_size)
         hazard = restart_hazard() if self.attempt.restart_count == 0 and trainer.world_size > 1 else None
         if hazard and trainer.is_global_zero:  # said before training, not after the first restart hangs

@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.manager import CheckpointManager, CheckpointStats, Restored
+from lightning_resilience.checkpoint.progress import record_progress
 from lightning_resilience.checkpoint.rng import capture_rng_states, restore_rng_states
 from lightning_resilience.checkpoint.tier import Tier
 from lightning_resilience.checkpoint.tree import storage_ptr
@@ -27,6 +28,7 @@ from lightning_resilience.lightning._trainer_state import (
     restore_trainer_state,
 )
 from lightning_resilience.lightning.coordination import Suite
+from lightning_resilience.rundir import RunDir
 
 __all__ = ["TieredCheckpoint"]
 
@@ -109,6 +111,7 @@ class TieredCheckpoint(Checkpoint):
             return
         self.manager = CheckpointManager(self.tiers, self.config)
         self.manager.setup()  # collective over the job's ranks: every rank runs setup
+        record_progress(self.manager, RunDir.resolve(None, trainer.default_root_dir))  # for the launcher
         self._suite = Suite.of(trainer)
         self._suite.attach_checkpoint(self)
 
