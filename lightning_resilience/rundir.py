@@ -43,6 +43,7 @@ DEFAULT_SUBDIR = "resilience"
 _NOTE = re.compile(r"^attempt(\d+)_rank(\d+)_[a-z_]+(?:_\d+)?\.json$")
 _PROGRESS = re.compile(r"^rank_(\d+)\.json$")
 _RANK_RECORD = re.compile(r"^rank_(\d+)\.json$")
+_RANK_RECORD_NAME = "rank_{rank:05d}.json"
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,12 @@ class LaunchDir:
 
     def rank_record(self, attempt: int, rank: int) -> Path:
         """How one rank ended (written by the rank's wrapper)."""
-        return self.attempt(attempt) / f"rank_{rank:05d}.json"
+        return self.attempt(attempt) / _RANK_RECORD_NAME.format(rank=rank)
+
+    def rank_record_template(self, attempt: int) -> str:
+        """:meth:`rank_record` with ``{rank}`` left to fill in, for the ranks' wrapper (which imports nothing)."""
+        folder = str(self.attempt(attempt).absolute()).replace("{", "{{").replace("}", "}}")
+        return f"{folder}/{_RANK_RECORD_NAME}"
 
     def rank_records(self, attempt: int) -> dict[int, Path]:
         """``rank -> path`` of every rank record of an attempt."""

@@ -30,8 +30,6 @@ log = logging.getLogger(__name__)
 
 ATTEMPT_ENV = "LIGHTNING_RESILIENCE_ATTEMPT"
 """Set by ``lightning-resilience launch`` in every worker: the attempt's index across restarts (and requeues)."""
-LAUNCH_DIR_ENV = "LIGHTNING_RESILIENCE_LAUNCH_DIR"
-"""Set by ``lightning-resilience launch``: where this attempt's records go (``<run_dir>/launch``)."""
 
 
 @dataclass(frozen=True)
