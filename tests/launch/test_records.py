@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
 from typing import Any
 
 from lightning_resilience.launch.analysis import evidence, name_culprit

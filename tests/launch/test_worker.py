@@ -13,8 +13,8 @@ import pytest
 
 from lightning_resilience.ft import restart
 from lightning_resilience.launch import worker
-from lightning_resilience.launch.attempt import WORKER, torchrun_args
 from lightning_resilience.launch.analysis import rank_ends
+from lightning_resilience.launch.attempt import WORKER, torchrun_args
 from lightning_resilience.rundir import RunDir
 
 SCRIPT = """
