@@ -19,7 +19,7 @@ from lightning_resilience.ft.config import FaultToleranceConfig
 from lightning_resilience.ft.ettr import EttrLedger, EttrReport
 from lightning_resilience.ft.heartbeat import RankMonitorBridge, connect_rank_monitor
 from lightning_resilience.ft.preemption import PreemptionNotice, connect_store
-from lightning_resilience.ft.rendezvous import restart_hazard
+from lightning_resilience.ft.rendezvous import prepare_restarts, restart_hazard
 from lightning_resilience.ft.restart import Attempt, FaultNote, current_attempt, write_fault_note
 from lightning_resilience.ft.watchdog import OUT_OF_SECTION, Hang, HangHandler, TimeoutCalibrator, Watchdog
 from lightning_resilience.lightning._metrics import log_host_metrics, logging_step
@@ -70,6 +70,7 @@ class FaultTolerance(Callback):
         on_hang: Callable[[Hang], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        prepare_restarts()  # before the process group exists: a torchrun restart must come up
         self.config = config or FaultToleranceConfig()
         self._on_hang = on_hang
         self._clock = clock

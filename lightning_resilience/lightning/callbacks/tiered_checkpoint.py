@@ -19,6 +19,7 @@ from lightning_resilience.checkpoint.rng import capture_rng_states, restore_rng_
 from lightning_resilience.checkpoint.tier import Tier
 from lightning_resilience.checkpoint.tree import storage_ptr
 from lightning_resilience.exit_codes import DecidedExit
+from lightning_resilience.ft.rendezvous import prepare_restarts
 from lightning_resilience.lightning._metrics import log_host_metrics, logging_step
 from lightning_resilience.lightning._train_data import TrainDataPosition
 from lightning_resilience.lightning._trainer_state import (
@@ -67,6 +68,7 @@ class TieredCheckpoint(Checkpoint):
     def __init__(
         self, tiers: Sequence[Any], resume: str | int | None = None, config: CheckpointConfig | None = None
     ) -> None:
+        prepare_restarts()  # before the process group exists: a torchrun restart must come up
         base = config or CheckpointConfig()
         if resume is not None and config is not None and str(resume) != config.resume != "auto":
             raise ValueError(
