@@ -2,8 +2,8 @@
 path of the user's, outside any run directory), Lightning's default strategy (DDP under torchrun), a plain
 ``DataLoader(shuffle=True)``; nothing else of ours.
 
-The drills add a kill (``--kill-rank R --kill-steps 12,24,36``: rank R SIGKILLs itself as step K + 1 starts, on the
-i-th attempt at the i-th step, once every callback is done with step K), an optional remote tier
+The drills add a kill (``--kill-rank R --kill-steps 12,24,36``: rank R SIGKILLs itself as step K + 1 starts, once
+for each K, across restarts and requeues; ``--always-kill-step K``: on every attempt), an optional remote tier
 (``--remote URL``: an fsspec directory standing for an object store; with ``--remote-only`` it is the only
 persistent tier), and a line per attempt in ``--out/env_rank<R>.jsonl`` with what torchrun's contract told the rank
 (``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``) and whether the suite gave
@@ -33,21 +33,25 @@ PERSIST_EVERY = 4
 
 
 class _Kill(Callback):
-    """SIGKILL rank ``rank`` as step ``steps[attempt]`` + 1 starts (the i-th attempt dies at the i-th step)."""
+    """SIGKILL rank ``rank`` as step K + 1 starts, once for each K in ``steps`` (a marker file per step survives the
+    restarts and requeues), and on every attempt at ``always`` (a job that cannot get past it)."""
 
-    def __init__(self, rank: int, steps: list[int]) -> None:
-        self.rank, self.steps = rank, steps
+    def __init__(self, rank: int, steps: list[int], always: int | None, markers: Path) -> None:
+        self.rank, self.steps, self.always, self.markers = rank, steps, always, markers
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if trainer.global_rank != self.rank or attempt >= len(self.steps):
+        step = trainer.global_step
+        marker = self.markers / f"killed_at_{step}"
+        due = step == self.always or (step in self.steps and not marker.exists())
+        if trainer.global_rank != self.rank or not due:
             return
-        if trainer.global_step == self.steps[attempt]:
-            tiered = next(c for c in trainer.callbacks if isinstance(c, TieredCheckpoint))  # type: ignore[attr-defined]
-            assert tiered.manager is not None
-            tiered.manager.wait()  # the persist of the step before the kill is committed: progress to be seen
-            print(f"DRILL: rank {self.rank} SIGKILL at step {trainer.global_step} (attempt {attempt})", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+        tiered = next(c for c in trainer.callbacks if isinstance(c, TieredCheckpoint))  # type: ignore[attr-defined]
+        assert tiered.manager is not None
+        tiered.manager.wait()  # the persist in flight lands: the progress it made is there to be seen
+        marker.touch()
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        print(f"DRILL: rank {self.rank} SIGKILL at step {step} (attempt {attempt})", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv: list[str]) -> int:
@@ -57,6 +61,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--kill-steps", default="")
+    parser.add_argument("--always-kill-step", type=int, default=None)
     parser.add_argument("--remote", default=None)
     parser.add_argument("--remote-only", action="store_true")
     args = parser.parse_args(argv)
@@ -74,7 +79,7 @@ def main(argv: list[str]) -> int:
         max_steps=args.steps,
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        callbacks=[TieredCheckpoint(tiers=tiers), *([_Kill(args.kill_rank, kill)] if kill else [])],
+        callbacks=[TieredCheckpoint(tiers=tiers), _Kill(args.kill_rank, kill, args.always_kill_step, args.out)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
