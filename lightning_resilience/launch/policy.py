@@ -14,13 +14,14 @@ FAILED = 1
 INTERRUPTED = 128 + signal.SIGINT
 """The launcher's status after Ctrl-C (SIGINT): the user stopped the job."""
 
-NEVER_REQUEUE = (int(ExitCode.OK), int(ExitCode.NO_PROGRESS), INTERRUPTED)
-"""Launcher exit codes a scheduler must not requeue: finished, no progress, stopped by hand (docs/launching.md)."""
+NEVER_REQUEUE = (int(ExitCode.OK), int(ExitCode.NO_PROGRESS), int(ExitCode.DIVERGED), INTERRUPTED)
+"""Launcher exit codes a scheduler must not requeue: finished, no progress, diverged (look at the data first),
+stopped by hand (docs/launching.md)."""
 
 
 def requeue_wanted(exit_code: int) -> bool:
     """Whether a scheduler should requeue a job whose launcher ended with ``exit_code``: every failure the launcher
-    gave up on but these (83 and 84 on other nodes)."""
+    gave up on but those of :data:`NEVER_REQUEUE` (83 and 84 on other nodes)."""
     return exit_code not in NEVER_REQUEUE
 
 
