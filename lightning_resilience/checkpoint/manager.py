@@ -108,9 +108,18 @@ class CheckpointManager:
         self._meta_providers.append(provider)
 
     def add_commit_listener(self, listener: Callable[[str, int], None]) -> None:
-        """Call ``listener(tier_name, step)`` on the training thread for every write a persistent tier committed,
-        once the manager knows of it (the launcher learns the job's progress this way)."""
+        """Call ``listener(tier_name, step)`` for every write a persistent tier committed, as soon as it is committed:
+        on the persist worker's thread (a hung training thread must not hide a commit), or on the caller's thread for
+        an emergency save. The launcher learns the job's progress this way; a listener must be quick and thread-safe,
+        and an error it raises is logged, never raised."""
         self._commit_listeners.append(listener)
+
+    def _tell_listeners(self, tier: str, step: int) -> None:
+        for listener in self._commit_listeners:
+            try:
+                listener(tier, step)
+            except Exception as err:  # what the listeners do must not fail a checkpoint
+                log.warning("commit listener %r failed on step %d of tier %r: %s", listener, step, tier, err)
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:  # the same state shape is captured every step: say it once
@@ -253,8 +262,7 @@ class CheckpointManager:
         for tier in self._persistent:  # the emergency writes bypass the worker: tell the listeners here
             stats = self.stats.tiers[tier.name]
             if stats.writes != before[tier.name] and stats.last_step is not None:
-                for listener in self._commit_listeners:
-                    listener(tier.name, stats.last_step)
+                self._tell_listeners(tier.name, stats.last_step)
         return saved
 
     def wait_snapshot(self) -> None:
@@ -336,6 +344,7 @@ class CheckpointManager:
                     unexpected = unexpected or err
                     continue
                 results.append(_PersistResult(tier.name, snap.step, written.nbytes, time.perf_counter() - start))
+                self._tell_listeners(tier.name, snap.step)
         finally:
             self._pool.release(slot)
         if unexpected is not None:
@@ -349,8 +358,6 @@ class CheckpointManager:
                 stats = self.stats.tiers[res.tier]
                 if res.error is None:
                     stats.record_write(res.step, res.nbytes, res.seconds)
-                    for listener in self._commit_listeners:
-                        listener(res.tier, res.step)
                     continue
                 error = stats.record_failure(res.error)
                 log.warning(

@@ -1,7 +1,8 @@
 """What the job has committed, told to the launcher: one small record per rank in the run directory.
 
 The checkpoint engine knows when a tier's write of a step is committed (local disk, a peer's RAM, an object store,
-wherever its path is); :class:`ProgressRecorder` listens to it (``CheckpointManager.add_commit_listener``) and keeps
+wherever its path is), on the persist worker's thread, so a hung training thread hides no commit;
+:class:`ProgressRecorder` listens to it (``CheckpointManager.add_commit_listener``) and keeps
 ``<run_dir>/progress/rank_<r>.json`` with the newest step each tier that outlives the process committed on this rank.
 The launcher reads the records of every rank (:func:`newest_committed`): a step counts once every rank committed it
 to some tier. Tiers of process durability (RAM inside the worker) do not count: a restart cannot load them.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -71,16 +73,19 @@ class ProgressRecorder:
             if found:
                 self.steps[name] = max(found)
         self._failed = False
+        self._lock = threading.Lock()  # commits are told from the persist worker and from emergency saves
 
     def start(self) -> None:
         """Write the record now: the launcher then knows this job reports its progress, even before a commit."""
-        self._write()
+        with self._lock:
+            self._write()
 
     def __call__(self, tier: str, step: int) -> None:
-        if tier not in self.durability or step <= self.steps.get(tier, -1):
-            return
-        self.steps[tier] = step
-        self._write()
+        with self._lock:
+            if tier not in self.durability or step <= self.steps.get(tier, -1):
+                return
+            self.steps[tier] = step
+            self._write()
 
     def _write(self) -> None:
         record = {
