@@ -12,8 +12,8 @@ LINT_PATHS := lightning_resilience recipes hydra_plugins setup.py tests $(wildca
 repo_on_path = $(1) -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], \
 	'lightning_resilience_checkout.pth').write_text('$(CURDIR)\n')"
 
-.PHONY: venv nemo-venv demo launch-drills test lint typecheck unit bench gpu-check clean drills-data drills \
-	stalls-before-after drills-loaders
+.PHONY: venv nemo-venv demo launch-drills readme-drills slurm test lint typecheck unit bench gpu-check clean \
+	drills-data drills stalls-before-after drills-loaders
 
 $(STAMP): setup.cfg setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,7 +51,19 @@ demo: $(STAMP)
 # a longer launcher campaign than CI's: random fault sequences (SIGKILL, SIGTERM, exceptions) over 4 attempts each
 LAUNCH_CAMPAIGN ?= 10
 launch-drills: $(STAMP)
-	LAUNCH_CAMPAIGN=$(LAUNCH_CAMPAIGN) $(BIN)/python -m pytest -q -p no:logging tests/drills/test_launch.py
+	LAUNCH_CAMPAIGN=$(LAUNCH_CAMPAIGN) LAUNCH_DRILLS=all $(BIN)/python -m pytest -q -p no:logging \
+		tests/drills/test_launch.py tests/drills/test_readme_restarts.py
+
+# the README's first example under plain `torchrun --max-restarts 2 --master-port P`: README_DRILLS kill drills in a row
+README_DRILLS ?= 3
+readme-drills: $(STAMP)
+	README_DRILLS=$(README_DRILLS) $(BIN)/python -m pytest -q -p no:logging tests/drills/test_readme_restarts.py \
+		-k plain_torchrun
+
+# a one-node Slurm cluster on this machine for tests/slurm (installs slurm-wlm and munge with apt-get when missing;
+# where it cannot, tests/slurm skip and say why)
+slurm:
+	bash .ci/slurm.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
@@ -63,7 +75,7 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-test: lint typecheck nemo-venv unit
+test: lint typecheck nemo-venv slurm unit
 
 # every benchmark (about an hour on 2 quiet cores), then docs/benchmarks.md and the README figures from the results
 bench: $(STAMP)

@@ -91,6 +91,7 @@ class CheckpointManager:
         self.identity = TierIdentity()
         self.stats = CheckpointStats(tiers={t.name: TierStats() for t in self.tiers})
         self._meta_providers: list[Callable[[int], dict[str, Any]]] = []
+        self._commit_listeners: list[Callable[[str, int], None]] = []
         self._warned: set[str] = set()
         self._closed = False
         self._failure: BaseException | None = None
@@ -146,6 +147,20 @@ class CheckpointManager:
         Other components record what they know about a step this way, e.g. whether it was verified clean.
         """
         self._meta_providers.append(provider)
+
+    def add_commit_listener(self, listener: Callable[[str, int], None]) -> None:
+        """Call ``listener(tier_name, step)`` for every write a persistent tier committed, as soon as it is committed:
+        on the persist worker's thread (a hung training thread must not hide a commit), or on the caller's thread for
+        an emergency save. The launcher learns the job's progress this way; a listener must be quick and thread-safe,
+        and an error it raises is logged, never raised."""
+        self._commit_listeners.append(listener)
+
+    def _tell_listeners(self, tier: str, step: int) -> None:
+        for listener in self._commit_listeners:
+            try:
+                listener(tier, step)
+            except Exception as err:  # what the listeners do must not fail a checkpoint
+                log.warning("commit listener %r failed on step %d of tier %r: %s", listener, step, tier, err)
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:  # the same state shape is captured every step: say it once
@@ -287,7 +302,13 @@ class CheckpointManager:
             log.error("emergency save: this rank cannot write (%s: %s)", type(err).__name__, err)
             ok = False
         save = EmergencySave(self._memory, self._persistent, self._group if collective else None, budget, self.stats)
-        return save.run(ok)
+        before = {t.name: self.stats.tiers[t.name].writes for t in self._persistent}
+        saved = save.run(ok)
+        for tier in self._persistent:  # the emergency writes bypass the worker: tell the listeners here
+            stats = self.stats.tiers[tier.name]
+            if stats.writes != before[tier.name] and stats.last_step is not None:
+                self._tell_listeners(tier.name, stats.last_step)
+        return saved
 
     def wait_snapshot(self) -> None:
         """Block (bounded) until the newest snapshot's background copy has landed; the wait counts as blocking."""
@@ -350,6 +371,7 @@ class CheckpointManager:
                 results.append(
                     _PersistResult(tier.name, snap.step, written.nbytes, time.perf_counter() - start, deleted=deleted)
                 )
+                self._tell_listeners(tier.name, snap.step)
         finally:
             self._pool.release(slot)
         if unexpected is not None:

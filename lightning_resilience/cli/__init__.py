@@ -1,7 +1,7 @@
 """`lightning-resilience` command line: run a recipe, list, verify, inspect and export checkpoints, show a run's
 resilience report, launch a script under torchrun with restarts that come up, simulate at scale.
 
-One module per command group (``run``, ``launch``, ``ckpt``, ``report``; ``simulate`` lives in
+One module per command group (``run``, ``launch``, ``ckpt``, ``report``, ``verdict``; ``simulate`` lives in
 :mod:`lightning_resilience.sim.cli`), each adding its sub-commands to the parser with ``add_parsers``; ``launch`` and
 ``simulate`` parse their own arguments (every flag after the word belongs to them).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_resilience.cli import ckpt, report, run
+from lightning_resilience.cli import ckpt, report, run, verdict
 from lightning_resilience.cli._common import CliError
 
 __all__ = ["CliError", "build_parser", "main"]
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_parsers(sub)
     ckpt.add_parsers(sub)
     report.add_parsers(sub)
+    verdict.add_parsers(sub)
     return parser
 
 

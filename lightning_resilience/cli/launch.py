@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import sys
+import time
 from pathlib import Path
 
 from lightning_resilience.cli._common import CliError, non_negative
@@ -14,6 +16,9 @@ __all__ = ["launch_main"]
 
 _OURS = ("run_dir", "max_no_progress_restarts", "iteration_file", "term_timeout")
 _ENABLE_ENV = "LIGHTNING_RESILIENCE"
+DEFAULT_RUNS = "lightning_resilience_runs"
+"""Where run directories go when none is named: ``./lightning_resilience_runs/<run id>``."""
+_TORCHRUN_DEFAULT_ID = "none"  # torchrun's --rdzv-id when not given
 
 
 def _positive_float(text: str) -> float:
@@ -40,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     ours.add_argument(
         "--run-dir",
         default=None,
-        help="run directory: attempt records go to RUN_DIR/launch, committed steps are searched under it "
-        f"(default: run_dir= of ${_ENABLE_ENV})",
+        help="run directory: attempt records go to RUN_DIR/launch, the workers' records are read there (default: "
+        f"run_dir= of ${_ENABLE_ENV}, else {DEFAULT_RUNS}/<run id>, said at start)",
     )
     ours.add_argument(
         "--max-no-progress-restarts",
@@ -81,12 +86,21 @@ def _run_dir_from_env() -> str | None:
 def launch_main(argv: list[str]) -> int:
     from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
 
-    from lightning_resilience.launch.launcher import Launcher, LaunchOptions
+    from lightning_resilience.launch.launcher import SCHEDULER_JOB_ENVS, Launcher, LaunchOptions
 
     args = build_parser().parse_args(argv)
+    explicit_id = None if args.rdzv_id in (None, _TORCHRUN_DEFAULT_ID) or args.standalone else str(args.rdzv_id)
     run_dir = args.run_dir or _run_dir_from_env()
-    if not run_dir:
-        raise CliError(f"launch needs a run directory: --run-dir DIR (or run_dir=DIR in ${_ENABLE_ENV})")
+    if not run_dir:  # torchrun needs no directory: neither does its replacement
+        job = explicit_id or next((os.environ[e] for e in SCHEDULER_JOB_ENVS if os.environ.get(e)), None)
+        name = job or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+        run_dir = os.path.join(DEFAULT_RUNS, name)
+        print(
+            f"lightning-resilience launch: no --run-dir given: the run directory is {run_dir} (attempt records, the "
+            "workers' progress records and fault notes); pass --run-dir DIR to choose one",
+            file=sys.stderr,
+            flush=True,
+        )
     if args.max_restarts < 0:
         raise CliError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     torchrun = {k: v for k, v in vars(args).items() if k not in _OURS}
@@ -103,5 +117,6 @@ def launch_main(argv: list[str]) -> int:
         term_timeout_s=args.term_timeout,
         nproc_per_node=nproc,
         multi_node=max_nodes > 1,
+        run_id=explicit_id,
     )
     return Launcher(options, torchrun, ["lightning-resilience", "launch", *argv]).run()

@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from lightning_resilience.ft.restart import FaultNote, atomic_write_json, read_fault_notes
+from lightning_resilience.rundir import RunDir
 
 __all__ = ["AttemptRecord", "EttrLedger", "EttrReport"]
 
 log = logging.getLogger(__name__)
 
-LEDGER_FILE = "ft_ledger.json"
+LEDGER_FILE = RunDir(Path()).ledger.name
 _VERSION = 1
 _POINTS_CAP = 256  # progress points and persists kept per attempt (every other one dropped beyond that)
 
@@ -122,7 +123,7 @@ class EttrLedger:
 
     def __init__(self, run_dir: Path, *, wall_clock: Callable[[], float] = time.time, interval_s: float = 1.0) -> None:
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LEDGER_FILE
+        self.path = RunDir(self.run_dir).ledger
         self._wall_clock = wall_clock
         self.interval_s = interval_s
         self.attempts: list[AttemptRecord] = []

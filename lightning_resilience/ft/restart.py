@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from lightning_resilience.rundir import RunDir
+
 __all__ = [
     "ATTEMPT_ENV",
     "Attempt",
@@ -26,11 +28,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FAULTS_DIR = "faults"
 ATTEMPT_ENV = "LIGHTNING_RESILIENCE_ATTEMPT"
 """Set by ``lightning-resilience launch`` in every worker: the attempt's index across restarts (and requeues)."""
-LAUNCH_DIR_ENV = "LIGHTNING_RESILIENCE_LAUNCH_DIR"
-"""Set by ``lightning-resilience launch``: where this attempt's records go (``<run_dir>/launch``)."""
 
 
 @dataclass(frozen=True)
@@ -117,18 +116,15 @@ def write_fault_note(run_dir: Path, note: FaultNote) -> Path:
     """Leave ``note`` for the next attempt (one file per rank, attempt and kind; atomic)."""
     if not note.pid:
         note = FaultNote(**{**note.to_json(), "pid": os.getpid()})
-    path = run_dir / FAULTS_DIR / f"attempt{note.attempt}_rank{note.rank}_{note.kind}_{note.pid}.json"
+    path = RunDir(run_dir).fault_note(note.attempt, note.rank, note.kind, note.pid)
     atomic_write_json(path, note.to_json())
     return path
 
 
 def read_fault_notes(run_dir: Path, *, before: float | None = None, remove: bool = False) -> list[FaultNote]:
     """Notes in ``run_dir`` detected before ``before`` (wall clock), oldest first; ``remove`` consumes them."""
-    folder = run_dir / FAULTS_DIR
-    if not folder.is_dir():
-        return []
     notes: list[tuple[FaultNote, Path]] = []
-    for path in sorted(folder.glob("attempt*_rank*.json")):
+    for path in RunDir(run_dir).fault_notes():
         try:
             note = FaultNote.from_json(json.loads(path.read_text()))
         except (OSError, ValueError, TypeError) as err:

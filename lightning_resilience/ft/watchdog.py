@@ -22,6 +22,7 @@ from typing import Any
 
 from lightning_resilience.exit_codes import ExitCode
 from lightning_resilience.ft.restart import FaultNote, write_fault_note
+from lightning_resilience.rundir import RunDir
 
 __all__ = ["Hang", "HangHandler", "TimeoutCalibrator", "Watchdog", "dump_stacks"]
 
@@ -321,7 +322,7 @@ class HangHandler:
         stacks = None
         if self.dump:
             try:
-                stacks = dump_stacks(self.run_dir / "stacks" / f"attempt{self.attempt}_rank{self.rank}.txt")
+                stacks = dump_stacks(RunDir(self.run_dir).stack_dump(self.attempt, self.rank))
             except OSError as err:
                 log.error("could not dump stacks to %s: %s", self.run_dir, err)
         note = FaultNote(

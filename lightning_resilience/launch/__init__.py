@@ -3,21 +3,14 @@ ranks ended and the committed steps, and a versioned record of every attempt (do
 
 Framework-free (torch only). Modules: :mod:`.launcher` (the loop), :mod:`.attempt` (one torchrun run, in its own
 process), :mod:`.worker` (what each rank runs: the user's script, recording how it ended), :mod:`.policy` (restart,
-stop, exit code), :mod:`.progress` (the newest committed step), :mod:`.records` (the JSON-lines format, the culprit).
+stop, exit code), :mod:`.progress` (the newest committed step), :mod:`.records` (the JSON-lines format),
+:mod:`.analysis` (how an attempt ended and who ended it, by the suite's one attribution engine).
 """
 
 from lightning_resilience.launch.launcher import Launcher, LaunchOptions
 from lightning_resilience.launch.policy import Decision, RestartPolicy
-from lightning_resilience.launch.progress import newest_committed_step, read_iteration_file
-from lightning_resilience.launch.records import (
-    SCHEMA,
-    AttemptRecord,
-    Cause,
-    LaunchRecord,
-    RankEnd,
-    attribute,
-    read_records,
-)
+from lightning_resilience.launch.progress import Progress, job_progress, read_iteration_file
+from lightning_resilience.launch.records import SCHEMA, AttemptRecord, Cause, LaunchRecord, RankEnd, read_records
 
 __all__ = [
     "SCHEMA",
@@ -27,10 +20,10 @@ __all__ = [
     "LaunchOptions",
     "LaunchRecord",
     "Launcher",
+    "Progress",
     "RankEnd",
     "RestartPolicy",
-    "attribute",
-    "newest_committed_step",
+    "job_progress",
     "read_iteration_file",
     "read_records",
 ]

@@ -3,7 +3,7 @@
 The launcher starts this process once per attempt. It calls ``torch.distributed.run.run`` (what the ``torchrun``
 command runs) with the user's torchrun arguments, ``--max-restarts 0`` (restarts are the launcher's), and each worker
 wrapped by :mod:`lightning_resilience.launch.worker`; then it writes what torchrun's elastic agent observed (each
-failed rank's exit status or signal, its error file) to ``outcome.json`` next to the spec. A new process per attempt
+failed rank's exit status or signal, its error file) to the outcome file the spec names. A new process per attempt
 means a new agent and a new rendezvous store: no key of an earlier attempt can be read by a restarted worker.
 
 Run as a file, with torch and the standard library only (no import of ours, hence none of Lightning).
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     spec_path = Path((sys.argv[1:] if argv is None else argv)[0])
     spec = json.loads(spec_path.read_text())
-    out = spec_path.with_name("outcome.json")
+    out = Path(spec["outcome"])
     outcome: dict[str, Any] = {"started_at": time.time(), "failures": {}, "error": None}
     status = 0
     try:

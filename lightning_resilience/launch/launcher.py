@@ -30,18 +30,12 @@ from typing import Any
 
 from lightning_resilience.ft.restart import atomic_write_json
 from lightning_resilience.launch import attempt as attempt_module
-from lightning_resilience.launch.policy import RestartPolicy
-from lightning_resilience.launch.progress import newest_committed_step, read_iteration_file
-from lightning_resilience.launch.records import (
-    AttemptRecord,
-    LaunchRecord,
-    RankEnd,
-    append_record,
-    attribute,
-    read_records,
-    signal_name,
-)
-from lightning_resilience.launch.worker import ATTEMPT_ENV, LAUNCH_DIR_ENV, attempt_dir, read_rank_records
+from lightning_resilience.launch.analysis import analyse, summary
+from lightning_resilience.launch.policy import RestartPolicy, requeue_wanted
+from lightning_resilience.launch.progress import Progress, job_progress
+from lightning_resilience.launch.records import AttemptRecord, LaunchRecord, append_record, read_records
+from lightning_resilience.launch.worker import ATTEMPT_ENV, RANK_RECORD_ENV, TORCHELASTIC_ENV
+from lightning_resilience.rundir import RUN_DIR_ENV, LaunchDir, RunDir
 
 __all__ = ["LaunchOptions", "Launcher"]
 
@@ -49,10 +43,8 @@ log = logging.getLogger(__name__)
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT)
 _AGENT_STOP_MARGIN_S = 10.0  # torchrun's agent gives its workers --shutdown-timeout (30 s) after its SIGTERM
-_DUMP_SEARCH = ("stacks", "*/stacks", "*/*/stacks")
-_NOTE_SEARCH = ("faults", "*/faults", "*/*/faults")
-_LEDGER_SEARCH = ("ft_ledger.json", "*/ft_ledger.json", "*/*/ft_ledger.json")
-_NOTE_FIELDS = ("kind", "rank", "step", "detected_at", "message", "section", "detection_s", "stacks")
+SCHEDULER_JOB_ENVS = ("SLURM_JOB_ID",)
+"""A scheduler's job id, kept by its requeues: the run id of a job launched without ``--rdzv-id``."""
 
 
 @dataclass(kw_only=True)
@@ -60,7 +52,8 @@ class LaunchOptions:
     """The launcher's own settings (torchrun's come from torchrun's parser)."""
 
     run_dir: Path
-    """Run directory: records go to ``launch/``; committed steps are searched under it."""
+    """Run directory (:class:`~lightning_resilience.rundir.RunDir`): records go to ``launch/``, the workers' files
+    and progress records are read there."""
     max_restarts: int
     """In-job restarts (torchrun's ``--max-restarts``; torchrun itself runs each attempt with 0)."""
     max_no_progress_restarts: int = 3
@@ -72,6 +65,9 @@ class LaunchOptions:
     nproc_per_node: int = 1
     multi_node: bool = False
     """Records then go to ``launch/<host>/``: each node's launcher keeps its own."""
+    run_id: str | None = None
+    """The job's run id (torchrun's ``--rdzv-id`` when given); by default the one recorded in the run directory,
+    else the scheduler's job id, else a new one."""
 
     def __post_init__(self) -> None:
         if self.term_timeout_s <= 0:
@@ -90,20 +86,35 @@ class Launcher:
         self.torchrun = torchrun
         self.argv = argv
         self.host = socket.gethostname()
-        self.launch_dir = options.run_dir.absolute() / "launch"  # the ranks may change their working directory
-        if options.multi_node:
-            self.launch_dir = self.launch_dir / self.host
+        self.run_dir = RunDir(options.run_dir.absolute())  # the ranks may change their working directory
+        self.launch = self.run_dir.launch(self.host if options.multi_node else None)
+        self.launch_dir = self.launch.root
         self.launch_id = uuid.uuid4().hex[:12]
+        self.run_id = self._run_id()
         self._signalled: int | None = None
         self._agent: subprocess.Popen[bytes] | None = None
+        self._said_unknown = False
+
+    def _run_id(self) -> str:
+        """Stable across the attempts of this launch and across requeues of the run directory."""
+        recorded = _read_text(self.launch.run_id)
+        chosen = self.options.run_id or recorded
+        chosen = chosen or next((os.environ[e] for e in SCHEDULER_JOB_ENVS if os.environ.get(e)), None)
+        chosen = chosen or f"lr-{uuid.uuid4().hex[:12]}"
+        if chosen != recorded:
+            self.launch.root.mkdir(parents=True, exist_ok=True)
+            tmp = self.launch.run_id.with_name(f".run_id.tmp-{os.getpid()}")
+            tmp.write_text(chosen + "\n")
+            os.replace(tmp, self.launch.run_id)
+        return chosen
 
     # ---------------------------------------------------------------- progress
+    def progress(self) -> Progress:
+        """What the job has committed anywhere it writes: the ranks' progress records, the iteration file."""
+        return job_progress(self.run_dir, self.options.iteration_file, local_ranks=self.options.nproc_per_node)
+
     def newest_step(self) -> int | None:
-        steps = [newest_committed_step(self.options.run_dir, local_ranks=self.options.nproc_per_node)]
-        if self.options.iteration_file is not None:
-            steps.append(read_iteration_file(self.options.iteration_file))
-        known = [s for s in steps if s is not None]
-        return max(known) if known else None
+        return self.progress().step
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -147,17 +158,20 @@ class Launcher:
                 host=self.host,
                 pid=os.getpid(),
                 first_attempt=attempt,
+                run_id=self.run_id,
             ),
         )
+        _say(f"run directory {self.run_dir.root}, run id {self.run_id}, attempt records in {self.launch.attempts}")
         handlers = {sig: signal.signal(sig, self._on_signal) for sig in _FORWARDED}
         try:
             restarts = 0
             while True:
                 record = self._attempt(attempt, restarts, no_progress)
                 append_record(self.launch_dir, record)
-                _say(_summary(record, self.launch_dir))
+                _say(summary(record, self.launch))
                 if record.decision != "restart":
                     assert record.exit_code is not None
+                    write_verdict(self.launch, record)
                     return record.exit_code
                 no_progress, attempt, restarts = record.no_progress_count, attempt + 1, restarts + 1
         finally:
@@ -165,15 +179,30 @@ class Launcher:
                 signal.signal(sig, handler)
 
     def _attempt(self, attempt: int, restarts: int, no_progress: int) -> AttemptRecord:
-        folder = attempt_dir(self.launch_dir, attempt)
+        folder = self.launch.attempt(attempt)
         shutil.rmtree(folder, ignore_errors=True)  # a requeued job may reuse the index of an attempt never recorded
         folder.mkdir(parents=True)
-        spec = folder / "spec.json"
-        atomic_write_json(spec, {"attempt": attempt, "torchrun": self.torchrun})
-        step_at_start = self.newest_step()
-        env = {**os.environ, ATTEMPT_ENV: str(attempt), LAUNCH_DIR_ENV: str(self.launch_dir)}
+        spec = self.launch.spec(attempt)
+        atomic_write_json(
+            spec, {"attempt": attempt, "torchrun": self.torchrun, "outcome": str(self.launch.outcome(attempt))}
+        )
+        at_start = self.progress()
+        env = {
+            **os.environ,
+            ATTEMPT_ENV: str(attempt),
+            RUN_DIR_ENV: str(self.run_dir.root),
+            RANK_RECORD_ENV: self.launch.rank_record_template(attempt),
+            # torchrun's per-attempt contract, which one torchrun per attempt would break: the worker puts it back
+            TORCHELASTIC_ENV: json.dumps(
+                {
+                    "TORCHELASTIC_RESTART_COUNT": str(restarts),
+                    "TORCHELASTIC_MAX_RESTARTS": str(self.options.max_restarts),
+                    "TORCHELASTIC_RUN_ID": self.run_id,
+                }
+            ),
+        }
         started = time.time()
-        _say(f"attempt {attempt} starting (newest committed step: {_step(step_at_start)})")
+        _say(f"attempt {attempt} starting (newest committed step: {at_start.describe()})")
         agent = subprocess.Popen(
             [sys.executable, str(Path(attempt_module.__file__).resolve()), str(spec)],
             env=env,
@@ -198,31 +227,25 @@ class Launcher:
         self._agent = None
         agent_status = agent.wait()
         ended = time.time()
-        outcome = _read_json(folder / "outcome.json") or {"result": "launcher_error", "failures": {}}
-        notes = self._fault_notes(attempt)
-        ranks = _rank_ends(outcome, read_rank_records(folder))
-        # every rank finished (its own record says exit 0), even if one then aborted in interpreter teardown
-        finished = len(ranks) >= self.options.nproc_per_node and all(r.exit_code == 0 and not r.signal for r in ranks)
-        succeeded = outcome.get("result") == "succeeded" or finished
-        detected: dict[int, float] = {}
-        for note in notes:  # oldest first: the first detection of each rank
-            if isinstance(note["rank"], int) and note["detected_at"]:
-                detected.setdefault(note["rank"], float(note["detected_at"]))
-        cause = None if succeeded else attribute(ranks, detected)
-        step_at_end = self.newest_step()
-        progress = step_at_end is not None and (step_at_start is None or step_at_end > step_at_start)
-        no_progress = 0 if progress or succeeded else no_progress + 1
+        end = analyse(self.run_dir, self.launch, attempt, nproc_per_node=self.options.nproc_per_node)
+        at_end = self.progress()
+        known = at_start.known or at_end.known
+        progress = at_end.step is not None and (at_start.step is None or at_end.step > at_start.step)
+        no_progress = 0 if progress or end.succeeded or not known else no_progress + 1
+        if not known and not end.succeeded and not self._said_unknown:
+            self._said_unknown = True
+            _say(
+                "progress unknown: no rank wrote a progress record (TieredCheckpoint) and no --iteration-file: "
+                "restarts are limited by --max-restarts only"
+            )
         decision = self.policy.decide(
-            succeeded=succeeded,
+            succeeded=end.succeeded,
             restarts_done=restarts,
             no_progress_count=no_progress,
-            culprit_exit_code=cause.exit_code if cause else None,
+            culprit_exit_code=end.cause.exit_code if end.cause else None,
             signalled=self._signalled,
         )
-        if self._signalled is not None and not succeeded:
-            result = "interrupted"
-        else:
-            result = "succeeded" if succeeded else str(outcome.get("result", "launcher_error"))
+        result = "interrupted" if self._signalled is not None and not end.succeeded else end.result
         return AttemptRecord(
             launch_id=self.launch_id,
             attempt=attempt,
@@ -230,69 +253,42 @@ class Launcher:
             ended_at=ended,
             outcome=result,
             agent_exit_code=agent_status,
-            ranks=ranks,
-            cause=cause,
-            step_at_start=step_at_start,
-            step_at_end=step_at_end,
+            ranks=end.ranks,
+            cause=end.cause,
+            step_at_start=at_start.step,
+            step_at_end=at_end.step,
             progress=progress,
             no_progress_count=no_progress,
             decision=decision.action,
             exit_code=decision.exit_code,
             reason=decision.reason,
-            hang_dumps=self._collect_dumps(attempt, folder),
-            fault_notes=notes,
-            agent_error=outcome.get("error"),
+            hang_dumps=end.hang_dumps,
+            fault_notes=end.fault_notes,
+            agent_error=end.agent_error,
+            progress_known=known,
         )
 
-    # ------------------------------------------------------------- collection
-    def _collect_dumps(self, attempt: int, folder: Path) -> list[str]:
-        """Copy the stack dumps hung ranks wrote for this attempt (``<dir>/stacks/attempt<n>_rank<r>.txt``)."""
-        copied = []
-        for pattern in _DUMP_SEARCH:
-            for dump in sorted(self.options.run_dir.glob(f"{pattern}/attempt{attempt}_rank*.txt")):
-                target = folder / f"stacks_{dump.stem.split('_', 1)[1]}.txt"
-                try:
-                    shutil.copyfile(dump, target)
-                except OSError as err:
-                    log.warning("could not collect %s: %s", dump, err)
-                    continue
-                copied.append(str(target))
-        return copied
 
-    def _fault_notes(self, attempt: int) -> list[dict[str, Any]]:
-        """The notes ranks left for this attempt: in ``faults/`` (other ranks) and in the ETTR ledger (rank 0's, and
-        the others' once a later attempt folded them in), oldest first, each once."""
-        found: list[dict[str, Any]] = []
-        for pattern in _NOTE_SEARCH:
-            for path in sorted(self.options.run_dir.glob(f"{pattern}/attempt{attempt}_rank*.json")):
-                found.extend(filter(None, [_read_json(path)]))
-        for pattern in _LEDGER_SEARCH:
-            for path in sorted(self.options.run_dir.glob(pattern)):
-                for entry in (_read_json(path) or {}).get("attempts", []):
-                    if entry.get("restart_count") == attempt:
-                        found.extend(f for f in entry.get("faults", []) if isinstance(f, dict))
-        notes: dict[tuple[Any, ...], dict[str, Any]] = {}
-        for data in found:
-            note = {k: data.get(k) for k in _NOTE_FIELDS}
-            notes.setdefault((note["kind"], note["rank"], note["step"], note["detected_at"]), note)
-        return sorted(notes.values(), key=lambda n: n["detected_at"] or 0.0)
+def write_verdict(launch: LaunchDir, record: AttemptRecord) -> None:
+    """The launcher's last word for a scheduler, in a file: its exit code and whether to requeue. ``srun`` rewrites
+    a step's exit status (143 when it tears the step down), so a batch script reads this instead."""
+    assert record.exit_code is not None
+    atomic_write_json(
+        launch.verdict,
+        {
+            "exit_code": record.exit_code,
+            "requeue": requeue_wanted(record.exit_code),
+            "reason": record.reason,
+            "attempt": record.attempt,
+            "launch_id": record.launch_id,
+            "written_at": time.time(),
+        },
+    )
 
 
 # ------------------------------------------------------------------- helpers
 def _say(message: str) -> None:
     print(f"lightning-resilience launch: {message}", file=sys.stderr, flush=True)
-
-
-def _step(step: int | None) -> str:
-    return "none" if step is None else str(step)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _end_with_parent() -> None:
@@ -335,56 +331,8 @@ def _signal_workers(agent_pid: int, signum: int) -> None:
             pass
 
 
-def _rank_ends(outcome: dict[str, Any], records: dict[int, dict[str, Any]]) -> list[RankEnd]:
-    """Merge what torchrun's agent observed (authoritative exit status or signal) with each rank's own record."""
-    failures = {int(k): v for k, v in outcome.get("failures", {}).items()}
-    succeeded = outcome.get("result") == "succeeded"
-    ends = []
-    for rank in sorted(set(failures) | set(records)):
-        own, seen = records.get(rank, {}), failures.get(rank)
-        end = RankEnd(rank=rank, local_rank=own.get("local_rank"), pid=own.get("pid"), host=own.get("host"))
-        end.exception = own.get("exception")
-        end.ended_at = own.get("ended_at")
-        if seen is not None:
-            status = int(seen["exitcode"])
-            if "exit_code" in own:  # it recorded its end: a signal seen after that came during teardown
-                end.exit_code, end.teardown_signal = int(own["exit_code"]), signal_name(status)
-            else:
-                end.signal, end.exit_code = signal_name(status), (status if status >= 0 else None)
-            end.local_rank = seen.get("local_rank", end.local_rank)
-            end.pid = seen.get("pid", end.pid)
-            if end.exception is None and seen.get("exception_type"):
-                end.exception = {"type": seen["exception_type"], "message": seen.get("message", "")}
-            if end.ended_at is None:
-                end.ended_at = float(seen.get("timestamp") or 0) or None
-        elif "exit_code" in own:
-            end.exit_code = int(own["exit_code"])
-        elif succeeded:
-            end.exit_code = 0
-        else:
-            end.stopped_by_launcher = True
-        ends.append(end)
-    return ends
-
-
-def _summary(record: AttemptRecord, launch_dir: Path) -> str:
-    took = record.ended_at - record.started_at
-    head = f"attempt {record.attempt} {record.outcome} after {took:.1f} s"
-    if record.cause is not None:
-        c = record.cause
-        how = {
-            "signal": f"killed by {c.detail}",
-            "verdict": f"ended: {c.detail} (exit {c.exit_code})",
-            "exit": f"exited with status {c.detail}",
-        }.get(c.kind, f"{c.detail}" + (f": {c.message.splitlines()[0][:160]}" if c.message else ""))
-        victims = [f"rank {r.rank}" for r in record.ranks if r.role == "victim"]
-        head += f"; cause: rank {c.rank} {how}" + (f" (then {', '.join(victims)})" if victims else "")
-    elif record.agent_error:
-        head += f"; torchrun: {record.agent_error[:200]}"
-    steps = f"newest committed step {_step(record.step_at_end)} (was {_step(record.step_at_start)})"
-    if record.hang_dumps:
-        steps += f"; stack dumps: {', '.join(record.hang_dumps)}"
-    tail = f"{record.decision}: {record.reason}"
-    if record.exit_code is not None:
-        tail += f"; exit {record.exit_code}"
-    return f"{head}; {steps}; {tail} [{launch_dir / 'attempts.jsonl'}]"
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None

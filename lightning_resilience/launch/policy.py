@@ -7,12 +7,23 @@ from dataclasses import dataclass
 
 from lightning_resilience.exit_codes import ExitCode
 
-__all__ = ["FAILED", "INTERRUPTED", "Decision", "RestartPolicy"]
+__all__ = ["FAILED", "INTERRUPTED", "NEVER_REQUEUE", "Decision", "RestartPolicy", "requeue_wanted"]
 
 FAILED = 1
 """The launcher's status when the job failed and restarts are used up (torchrun's own status for a failed job)."""
 INTERRUPTED = 128 + signal.SIGINT
 """The launcher's status after Ctrl-C (SIGINT): the user stopped the job."""
+
+NEVER_REQUEUE = (int(ExitCode.OK), int(ExitCode.NO_PROGRESS), int(ExitCode.DIVERGED), INTERRUPTED)
+"""Launcher exit codes a scheduler must not requeue: finished, no progress, diverged (look at the data first),
+stopped by hand (docs/launching.md)."""
+
+
+def requeue_wanted(exit_code: int) -> bool:
+    """Whether a scheduler should requeue a job whose launcher ended with ``exit_code``: every failure the launcher
+    gave up on but those of :data:`NEVER_REQUEUE` (83 and 84 on other nodes)."""
+    return exit_code not in NEVER_REQUEUE
+
 
 # verdicts that want other hardware or a scheduler's decision: an in-job restart on the same node would bring the
 # slow or faulty device straight back

@@ -1,77 +1,58 @@
-"""Progress between attempts: the newest step committed on disk, read the way a restore would trust it.
+"""Progress between attempts: the newest step the job committed anywhere it writes.
 
-A step counts when every shard of it that this node can see is committed (``manifest.json`` written last, the
-directory renamed into place) and there are as many as the ranks expected to be seen here: the whole world on a shared
-or single-node file system, this node's ranks on a node-local disk. Steps being written (``.rank_*.tmp-*``) or
-deleted never count. An iteration file (NVRx's ``--ft-checkpoint-iteration-file``: one integer) can be given too, for
-checkpoints this node cannot list (an object store).
+The workers say it: the checkpoint engine of every rank keeps a progress record in the run directory with the newest
+step each of its tiers committed, wherever the tier is (a local disk outside the run directory, a peer's RAM, an
+object store; :mod:`lightning_resilience.checkpoint.progress`). A step counts once every rank committed it. An
+iteration file (NVRx's ``--ft-checkpoint-iteration-file``: one integer) can be given too, for a job that commits its
+checkpoints by other means. Without either, progress is unknown: the launcher then never stops a job for the lack of
+it (a "do not requeue" verdict on a job that may be progressing would drop it).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_resilience.checkpoint.errors import CheckpointCorruptError
-from lightning_resilience.checkpoint.format import read_manifest
-from lightning_resilience.checkpoint.layout import parse_rank, rank_dirs, step_dirs
+from lightning_resilience.checkpoint.progress import newest_committed
+from lightning_resilience.rundir import RunDir
 
-__all__ = ["newest_committed_step", "read_iteration_file"]
+__all__ = ["Progress", "job_progress", "read_iteration_file"]
 
 log = logging.getLogger(__name__)
 
-_SEARCH_DEPTH = 4
+
+@dataclass(frozen=True)
+class Progress:
+    """What the launcher knows of the job's committed steps."""
+
+    known: bool
+    """Some source reports the job's commits (progress records or an iteration file)."""
+    step: int | None
+    """The newest committed step; None when none is known."""
+    tiers: dict[str, int] = field(default_factory=dict)
+    """Per tier (and ``iteration_file``), the newest step every rank committed there."""
+
+    def describe(self) -> str:
+        if not self.known:
+            return "unknown"
+        if self.step is None:
+            return "none"
+        where = ", ".join(f"{name} {step}" for name, step in sorted(self.tiers.items()))
+        return f"{self.step}" + (f" ({where})" if where else "")
 
 
-def _step_committed(step_dir: Path, local_ranks: int) -> bool:
-    if any(entry.name.startswith(".") for entry in step_dir.iterdir()):
-        return False  # a shard being written or deleted: the step is not whole here
-    shards = rank_dirs(step_dir)
-    try:
-        worlds = {read_manifest(shard).world_size for shard in shards.values()}
-    except CheckpointCorruptError:
-        return False
-    if not shards or len(worlds) != 1:
-        return False
-    world = worlds.pop()
-    return len(shards) == world or len(shards) >= min(local_ranks, world)
-
-
-def newest_committed_step(root: Path, *, local_ranks: int) -> int | None:
-    """The newest step committed under ``root`` (tier roots searched a few levels down); None if there is none.
-
-    Args:
-        root: the run directory (or a checkpoint directory).
-        local_ranks: ranks on this node; a step is whole here when all its world's shards, or at least this many of
-            them, are committed.
-    """
-    newest: int | None = None
-
-    def walk(directory: Path, depth: int) -> None:
-        nonlocal newest
-        try:
-            children = sorted(directory.iterdir())
-            steps = step_dirs(directory)
-        except OSError:
-            return
-        for step, path in sorted(steps.items(), reverse=True):
-            if newest is not None and step <= newest:
-                break
-            try:
-                if _step_committed(path, local_ranks):
-                    newest = step
-                    break
-            except OSError:  # deleted by retention while we looked
-                continue
-        if steps or depth >= _SEARCH_DEPTH:
-            return
-        for child in children:
-            if child.is_dir() and not child.name.startswith(".") and parse_rank(child.name) is None:
-                walk(child, depth + 1)
-
-    if root.is_dir():
-        walk(root, 0)
-    return newest
+def job_progress(run_dir: RunDir, iteration_file: Path | None, *, local_ranks: int) -> Progress:
+    """The newest step committed by every rank to some tier (from their progress records), or named by the
+    iteration file, whichever is newer."""
+    records = newest_committed(run_dir, local_ranks=local_ranks)
+    tiers = dict(records.tiers)
+    known = records.reported or iteration_file is not None
+    if iteration_file is not None:
+        step = read_iteration_file(iteration_file)
+        if step is not None:
+            tiers["iteration_file"] = step
+    return Progress(known, max(tiers.values()) if tiers else None, tiers)
 
 
 def read_iteration_file(path: Path) -> int | None:

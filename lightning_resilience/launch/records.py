@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import signal
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_resilience.exit_codes import ExitCode
+from lightning_resilience.rundir import LaunchDir
 
 __all__ = [
     "RECORDS_FILE",
@@ -28,7 +28,6 @@ __all__ = [
     "LaunchRecord",
     "RankEnd",
     "append_record",
-    "attribute",
     "read_records",
 ]
 
@@ -36,15 +35,8 @@ log = logging.getLogger(__name__)
 
 SCHEMA = 1
 """Version of the record format; a reader of version N reads lines with ``"schema": N`` only."""
-RECORDS_FILE = "attempts.jsonl"
+RECORDS_FILE = LaunchDir(Path()).attempts.name
 
-# exceptions a rank raises because a *peer* went away: the rank is a victim, the peer is the cause
-_PEER_LOSS = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|connectFullMesh|remote process exited|"
-    r"NCCL communicator was aborted|ncclRemoteError|Socket Timeout|recvBytes|sendBytes|DistNetworkError|"
-    r"DistStoreError|DistBackendError",
-    re.IGNORECASE,
-)
 _VERDICTS = {int(code): code.name.lower() for code in ExitCode if code != ExitCode.OK}
 
 
@@ -72,17 +64,12 @@ class RankEnd:
     ended_at: float | None = None
     """Wall clock (time.time) of the end: the rank's own record, else when torchrun's agent observed it."""
     role: str = "ok"
-    """'ok' (exit 0), 'culprit' (see :class:`Cause`), 'victim' (failed after the culprit) or 'stopped'."""
+    """'ok' (exit 0), 'culprit' (see :class:`Cause`), 'victim' (failed because of the culprit), 'agreed' (ended
+    together with the others by the job's decision: a preemption, an SDC stop) or 'stopped' (by torchrun)."""
 
     @property
     def failed(self) -> bool:
         return self.signal is not None or (self.exit_code is not None and self.exit_code != 0)
-
-    @property
-    def peer_loss(self) -> bool:
-        """Failed with an error that says a peer went away."""
-        text = f"{(self.exception or {}).get('type', '')}: {(self.exception or {}).get('message', '')}"
-        return self.exception is not None and bool(_PEER_LOSS.search(text))
 
     def how(self) -> tuple[str, str]:
         """``(kind, detail)``: ('signal', 'SIGKILL'), ('verdict', 'hang'), ('exception', 'ValueError'), ('exit', '3')"""
@@ -99,43 +86,15 @@ class RankEnd:
 class Cause:
     """The rank whose failure ended the attempt, and how."""
 
-    rank: int
+    rank: int | None
+    """None when no single rank can be named (the same failure on every rank, a decision of the whole job)."""
     kind: str
-    """'signal', 'verdict' (one of our exit codes), 'exception' or 'exit' (a non-zero status and nothing else)."""
+    """'signal', 'verdict' (one of our exit codes), 'exception', 'exit' (a non-zero status and nothing else) or
+    'lost' (no rank left a trace)."""
     detail: str
     """The signal name, the verdict (``hang``, ``preempted``...), the exception type, or the exit status."""
     message: str = ""
     exit_code: int | None = None
-
-
-def attribute(ranks: list[RankEnd], detected: dict[int, float] | None = None) -> Cause | None:
-    """Find the culprit among the failed ranks and mark every rank's ``role``; None when no rank failed.
-
-    Order of blame: a rank ended by a signal (nobody chooses SIGKILL, SIGSEGV, the OOM killer); then a rank that
-    ended with one of our verdicts (a hang, a preemption notice, SDC...); then an exception or exit status that is not
-    a lost peer; last, a lost peer (when that is all there is, its earliest reporter is named). Ties go to the
-    earliest detection (``detected``: rank -> wall time of its first fault note; the rank that received a preemption
-    notice is the only one that notes it), then the earliest end. Ranks stopped by torchrun's agent are neither
-    culprits nor victims.
-    """
-    detected = detected or {}
-    failed = [r for r in ranks if r.failed and not r.stopped_by_launcher]
-    for r in ranks:
-        r.role = "stopped" if r.stopped_by_launcher else ("victim" if r.failed else "ok")
-    if not failed:
-        return None
-
-    def blame(r: RankEnd) -> tuple[int, float, int]:
-        kind, _ = r.how()
-        order = {"signal": 0, "verdict": 1}.get(kind, 3 if r.peer_loss else 2)
-        when = detected.get(r.rank, r.ended_at)
-        return order, when if when is not None else float("inf"), r.rank
-
-    culprit = min(failed, key=blame)
-    culprit.role = "culprit"
-    kind, detail = culprit.how()
-    message = (culprit.exception or {}).get("message", "")
-    return Cause(rank=culprit.rank, kind=kind, detail=detail, message=message[:500], exit_code=culprit.exit_code)
 
 
 def signal_name(exit_status: int) -> str | None:
@@ -165,6 +124,8 @@ class LaunchRecord:
     pid: int
     first_attempt: int
     """Index of this launch's first attempt (a requeued job continues the numbering of the run directory)."""
+    run_id: str = ""
+    """The run id every attempt's workers see as ``TORCHELASTIC_RUN_ID``."""
     schema: int = SCHEMA
     kind: str = "launch"
 
@@ -201,6 +162,9 @@ class AttemptRecord:
     fault_notes: list[dict[str, Any]] = field(default_factory=list)
     """Fault notes ranks left for this attempt (kind, rank, step, message, section)."""
     agent_error: str | None = None
+    progress_known: bool = True
+    """Some source says what the job committed (the ranks' progress records, an iteration file); without one the
+    launcher cannot tell progress and never stops for the lack of it."""
     schema: int = SCHEMA
     kind: str = "attempt"
 
@@ -218,9 +182,10 @@ class AttemptRecord:
 
 def append_record(launch_dir: Path, record: LaunchRecord | AttemptRecord) -> None:
     """Append one line (flushed and fsynced: a launcher killed right after still leaves whole lines)."""
-    launch_dir.mkdir(parents=True, exist_ok=True)
+    path = LaunchDir(launch_dir).attempts
+    path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps(asdict(record), sort_keys=True)
-    with open(launch_dir / RECORDS_FILE, "a") as f:
+    with open(path, "a") as f:
         f.write(line + "\n")
         f.flush()
         os.fsync(f.fileno())
@@ -228,7 +193,7 @@ def append_record(launch_dir: Path, record: LaunchRecord | AttemptRecord) -> Non
 
 def read_records(launch_dir: Path) -> Iterator[LaunchRecord | AttemptRecord]:
     """The records of this schema, oldest first; a torn or foreign line is skipped with a warning."""
-    path = launch_dir / RECORDS_FILE
+    path = LaunchDir(launch_dir).attempts
     if not path.is_file():
         return
     for n, line in enumerate(path.read_text().splitlines(), 1):

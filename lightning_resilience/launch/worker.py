@@ -1,8 +1,12 @@
 """``python .../launch/worker.py [-m MODULE | SCRIPT] [args]``: what torchrun starts on each rank under
 ``lightning-resilience launch``. Runs the user's script or module as ``__main__`` (as ``python SCRIPT`` would) and
-records how the rank ended in ``<run_dir>/launch/attempt_<n>/rank_<r>.json``: start, then exit status or uncaught
-exception with its time. The exception also goes to torchrun's ``TORCHELASTIC_ERROR_FILE`` (torch's own
+records how the rank ended in the attempt's rank record (``RunDir.launch().rank_record``): start, then exit status or
+uncaught exception with its time. The exception also goes to torchrun's ``TORCHELASTIC_ERROR_FILE`` (torch's own
 ``ErrorHandler``), so torchrun's failure summary shows the traceback. A rank ended by a signal leaves only its start.
+
+Before the script runs it puts back torchrun's per-attempt contract, which the launcher's one-torchrun-per-attempt
+would otherwise break: ``TORCHELASTIC_RESTART_COUNT`` (the attempt of this launch), ``TORCHELASTIC_MAX_RESTARTS``
+(``--max-restarts``) and ``TORCHELASTIC_RUN_ID`` (the same on every attempt), as the launcher passes them.
 
 Run as a file, and standard library only until the user's script runs: a rank pays no import of ours.
 """
@@ -15,30 +19,37 @@ import runpy
 import socket
 import sys
 import time
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ATTEMPT_ENV", "LAUNCH_DIR_ENV", "attempt_dir", "main", "rank_file", "read_rank_records"]
+__all__ = ["ATTEMPT_ENV", "RANK_RECORD_ENV", "TORCHELASTIC_ENV", "apply_torchelastic_env", "main", "read_rank_record"]
 
-# the names lightning_resilience.ft.restart reads (this file imports nothing of ours; a test keeps them equal)
+# the name lightning_resilience.ft.restart reads (this file imports nothing of ours; a test keeps them equal)
 ATTEMPT_ENV = "LIGHTNING_RESILIENCE_ATTEMPT"
-LAUNCH_DIR_ENV = "LIGHTNING_RESILIENCE_LAUNCH_DIR"
+RANK_RECORD_ENV = "LIGHTNING_RESILIENCE_RANK_RECORD"
+"""The path of this attempt's rank records, ``{rank}`` to be filled in (set by the launcher)."""
+TORCHELASTIC_ENV = "LIGHTNING_RESILIENCE_TORCHELASTIC_ENV"
+"""JSON of the ``TORCHELASTIC_*`` values torchrun would give this attempt (set by the launcher)."""
 
 
-def attempt_dir(launch_dir: Path, attempt: int) -> Path:
-    """Where one attempt's files go."""
-    return launch_dir / f"attempt_{attempt:04d}"
-
-
-def rank_file(launch_dir: Path, attempt: int, rank: int) -> Path:
-    return attempt_dir(launch_dir, attempt) / f"rank_{rank:05d}.json"
+def apply_torchelastic_env(environ: MutableMapping[str, str] | None = None) -> None:
+    """Put the launcher's ``TORCHELASTIC_*`` values for this attempt into ``environ`` (``os.environ``)."""
+    env = os.environ if environ is None else environ
+    try:
+        values = json.loads(env.get(TORCHELASTIC_ENV) or "{}")
+    except ValueError:
+        return
+    for name, value in values.items():
+        if name.startswith("TORCHELASTIC_"):
+            env[name] = str(value)
 
 
 class _RankRecord:
     def __init__(self) -> None:
-        launch_dir, attempt = os.environ.get(LAUNCH_DIR_ENV), os.environ.get(ATTEMPT_ENV)
+        template = os.environ.get(RANK_RECORD_ENV)
         rank = int(os.environ.get("RANK", "0"))
-        self.path = rank_file(Path(launch_dir), int(attempt), rank) if launch_dir and attempt else None
+        self.path = Path(template.format(rank=rank)) if template else None
         self.data: dict[str, Any] = {
             "rank": rank,
             "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
@@ -73,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or (argv[:1] == ["-m"] and len(argv) < 2):
         raise SystemExit("usage: worker.py [-m MODULE | SCRIPT] [args...]")
+    apply_torchelastic_env()
     record = _RankRecord()
     record.write()
     try:
@@ -102,16 +114,14 @@ def main(argv: list[str] | None = None) -> None:
     record.write(exit_code=0, ended_at=time.time())
 
 
-def read_rank_records(directory: Path) -> dict[int, dict[str, Any]]:
-    """``rank -> record`` of every rank that started in an attempt directory."""
-    out: dict[int, dict[str, Any]] = {}
-    for path in sorted(directory.glob("rank_*.json")):
-        try:
-            data = json.loads(path.read_text())
-            out[int(data["rank"])] = data
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return out
+def read_rank_record(path: Path) -> dict[str, Any] | None:
+    """A rank record, or None when it is missing or unreadable."""
+    try:
+        data = json.loads(path.read_text())
+        int(data["rank"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from lightning_resilience.lightning._members import CheckpointStore, Reporting
 from lightning_resilience.lightning._step_path import StepPath, act_for
 from lightning_resilience.lightning.rollback import InProcessRollback
 from lightning_resilience.policy import Action, Decision, Event, PolicyConfig, Verdict
+from lightning_resilience.rundir import RunDir
 from lightning_resilience.step.channels import Channels
 from lightning_resilience.step.driver import StepDriver
 
@@ -53,7 +54,7 @@ __all__ = ["RESTORE_BOUND_FILE", "CheckpointStore", "Reporting", "RestoreBound",
 
 log = logging.getLogger(__name__)
 
-RESTORE_BOUND_FILE = "restore_bound.json"
+RESTORE_BOUND_FILE = RunDir(Path()).restore_bound.name
 """Written to the run directory when the state was found corrupt: the next attempt restores at most its step."""
 
 _NO_BOUND = 2**62
@@ -318,12 +319,12 @@ class Suite:
 
     def record_dir(self, trainer: Trainer) -> Path:
         """Where the suite keeps records that outlive an attempt: the directory a member set (SDC's run_dir), else
-        <default_root_dir>/resilience."""
-        return self._record_dir or Path(trainer.default_root_dir) / "resilience"
+        the launcher's, else <default_root_dir>/resilience (:meth:`RunDir.resolve`)."""
+        return RunDir.resolve(self._record_dir, trainer.default_root_dir).root
 
     def _write_restore_bound(self, trainer: Trainer, verdict: Verdict) -> None:
         # every rank writes the same record: the run directory may be node-local
-        path = self.record_dir(trainer) / RESTORE_BOUND_FILE
+        path = RunDir(self.record_dir(trainer)).restore_bound
         record = {
             "max_step": verdict.verified_step if verdict.verified_step is not None else 0,
             "detected_at": verdict.step,
@@ -339,7 +340,7 @@ class Suite:
 
     def restore_bound(self, trainer: Trainer) -> RestoreBound | None:
         """Collective: the bound every rank agrees on (the lowest any rank's record names), or None."""
-        path = self.record_dir(trainer) / RESTORE_BOUND_FILE
+        path = RunDir(self.record_dir(trainer)).restore_bound
         record: dict[str, Any] = {}
         try:
             record = json.loads(path.read_text()) if path.is_file() else {}
@@ -358,7 +359,7 @@ class Suite:
 
     def clear_restore_bound(self, trainer: Trainer) -> None:
         """After the suspect steps are gone on every rank (the caller's barrier): forget the bound."""
-        (self.record_dir(trainer) / RESTORE_BOUND_FILE).unlink(missing_ok=True)
+        RunDir(self.record_dir(trainer)).restore_bound.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ report
     def report(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from lightning_resilience.policy import Action, Decision, Event, Verdict
 from lightning_resilience.rollback.config import RollbackConfig
 from lightning_resilience.rollback.governor import LrCooldown, RollbackGovernor, RollbackPlan, RollbackRecord
 from lightning_resilience.rollback.quarantine import append_quarantine
+from lightning_resilience.rundir import RunDir
 
 if TYPE_CHECKING:
     from lightning_resilience.lightning.coordination import Suite
@@ -119,7 +120,9 @@ class InProcessRollback:
         if not trainer.is_global_zero:
             return
         try:
-            append_quarantine(suite.record_dir(trainer) / self.config.quarantine_file, record.to_json())
+            append_quarantine(
+                RunDir(suite.record_dir(trainer)).quarantine(self.config.quarantine_file), record.to_json()
+            )
         except OSError as err:
             log.error("could not write the quarantine record: %s", err)
 

@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
 from lightning_resilience.config.registry import ResilienceConfigError, build_all, register_configs
+from lightning_resilience.ft.rendezvous import prepare_restarts
 
 __all__ = [
     "ENV_VAR",
@@ -298,6 +299,7 @@ def callbacks_from_environment() -> list[Callback]:
     switch = enablement()
     if switch is None:
         return []
+    prepare_restarts()  # before the Trainer creates the process group: a torchrun restart must come up
     node = compose_resilience(switch.overrides, source=switch.source, prefix=switch.prefix)
     try:
         callbacks = build_suite(node)

@@ -199,7 +199,10 @@ def attribute(ev: AttemptEvidence) -> Attribution:
             return Attribution(ev.attempt, "fault", cause)
         return Attribution(ev.attempt, "running" if ev.end_reason is None and not ev.exits else "finished", None)
     primaries = [f for f in failures if not _secondary(f, summaries)]
-    pool = primaries or failures
+    # a rank the launcher stopped after another failed is never the culprit, even when nothing else is known
+    pool = primaries or [f for f in failures if "stopped by the launcher" not in f.evidence]
+    if not pool:
+        return Attribution(ev.attempt, "fault", None)
     named = [f for f in pool if f.rank is not None and f.rank == ev.first_failing_rank]
     common = None if named else _common_failure(primaries)
     if common is not None:

@@ -18,6 +18,7 @@ from lightning_resilience.report.render import render_table
 from lightning_resilience.report.rundir import explain_run
 from lightning_resilience.rollback.config import RollbackConfig
 from lightning_resilience.rollback.quarantine import read_quarantine
+from lightning_resilience.rundir import RunDir
 
 __all__ = ["ReportFiles", "explain", "write_report"]
 
@@ -70,11 +71,8 @@ def explain(report: ResilienceReport, run_dir: str | Path, *, current_attempt: s
 
 def _quarantine(run_dir: Path) -> list[dict[str, Any]]:
     """The records of the run directory's quarantine file (in it or in its ``resilience/`` folder)."""
-    name = RollbackConfig().quarantine_file
-    for path in (run_dir / name, run_dir / "resilience" / name):
-        if path.is_file():
-            return read_quarantine(path)
-    return []
+    path = RunDir.locate(run_dir).quarantine(RollbackConfig().quarantine_file)
+    return read_quarantine(path) if path.is_file() else []
 
 
 def write_report(

@@ -32,11 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_resilience.rundir import RunDir
 from lightning_resilience.sim.config import RESTART_PATHS, SimConfig, SimTierConfig
 
 __all__ = ["REPORT_NAME", "RunCosts", "apply_run_costs", "load_run_costs"]
 
-REPORT_NAME = "resilience_report.json"
+REPORT_NAME = RunDir(Path()).report.name
 LEGACY_NAME = "report.jsonl"
 
 

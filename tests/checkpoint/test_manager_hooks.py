@@ -79,3 +79,27 @@ def test_emergency_save_survives_a_failing_tier(tmp_path: Path, managers: list[C
     assert manager.emergency_save(timedelta(seconds=30)) == 3
     assert manager.stats.tiers["broken"].failures == 1
     assert manager.steps()["ok"] == [3]
+
+
+def test_commit_listeners_hear_each_persistent_commit_from_the_persist_thread(
+    tmp_path: Path, managers: list[CheckpointManager]
+) -> None:
+    """Told as soon as a tier committed (no later call on the training thread needed), RAM tiers never; emergency
+    saves too; a failing listener fails no checkpoint."""
+    from lightning_resilience.checkpoint.progress import record_progress
+    from lightning_resilience.launch.progress import job_progress
+    from lightning_resilience.rundir import RunDir
+
+    manager = _manager(managers, MemoryTier(every_n_steps=1, keep=2), LocalTier(tmp_path / "ckpt", every_n_steps=2))
+    heard: list[tuple[str, int]] = []
+    manager.add_commit_listener(lambda tier, step: heard.append((tier, step)))
+    manager.add_commit_listener(lambda tier, step: 1 / 0)
+    record_progress(manager, RunDir(tmp_path / "run"))
+    for step in range(1, 5):
+        manager.on_step(step, state_at(step))
+        assert manager._worker.wait_idle(timedelta(seconds=30))  # the worker is done: nothing collected yet
+    assert heard == [("local", 2), ("local", 4)]
+    manager.on_step(5, state_at(5))
+    assert manager.emergency_save(timedelta(seconds=30)) == 5
+    assert heard[-1] == ("local", 5)
+    assert job_progress(RunDir(tmp_path / "run"), None, local_ranks=1).tiers == {"local": 5}

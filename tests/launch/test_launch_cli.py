@@ -22,7 +22,6 @@ def test_torchrun_flags_ours_and_the_scripts_own_are_told_apart() -> None:
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
-        (["train.py"], "", "launch needs a run directory: --run-dir DIR"),
         (["--run-dir", "r", "--max-restarts", "-1", "train.py"], "", "--max-restarts must be >= 0"),
         (["train.py"], 'default run_dir="/shared', "$LIGHTNING_RESILIENCE: No closing quotation"),
     ],

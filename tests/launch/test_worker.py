@@ -13,8 +13,9 @@ import pytest
 
 from lightning_resilience.ft import restart
 from lightning_resilience.launch import worker
+from lightning_resilience.launch.analysis import rank_ends
 from lightning_resilience.launch.attempt import WORKER, torchrun_args
-from lightning_resilience.launch.launcher import _rank_ends
+from lightning_resilience.rundir import RunDir
 
 SCRIPT = """
 import json, os, sys
@@ -34,16 +35,17 @@ if mode == "hydra":  # what @hydra.main does with an exception
 
 
 def test_the_env_names_are_the_ones_restart_reads() -> None:
-    assert (worker.ATTEMPT_ENV, worker.LAUNCH_DIR_ENV) == (restart.ATTEMPT_ENV, restart.LAUNCH_DIR_ENV)
+    assert worker.ATTEMPT_ENV == restart.ATTEMPT_ENV
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
-    env = {**os.environ, worker.ATTEMPT_ENV: "2", worker.LAUNCH_DIR_ENV: str(tmp_path / "launch"), "RANK": "1"}
+    launch = RunDir(tmp_path / "run{x}").launch()  # braces in a path stay as they are
+    env = {**os.environ, worker.RANK_RECORD_ENV: launch.rank_record_template(2), "RANK": "1"}
     env.pop("TORCHELASTIC_ERROR_FILE", None)
     proc = subprocess.run(
         [sys.executable, str(WORKER), *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
-    record = json.loads(worker.rank_file(tmp_path / "launch", 2, 1).read_text())
+    record = json.loads(launch.rank_record(2, 1).read_text())
     return proc, record
 
 
@@ -99,8 +101,25 @@ def test_rank_ends_merge_what_torchrun_saw_with_what_ranks_recorded() -> None:
         2: {"rank": 2, "exit_code": 87, "ended_at": 48.0},  # it chose 87, then aborted in teardown
         3: {"rank": 3},  # stopped by torchrun's agent
     }
-    ends = {e.rank: e for e in _rank_ends(outcome, own)}
+    ends = {e.rank: e for e in rank_ends(outcome, own)}
     assert (ends[0].exit_code, ends[0].signal) == (1, None)
     assert (ends[1].signal, ends[1].exit_code, ends[1].ended_at) == ("SIGKILL", None, 50.0)
     assert (ends[2].exit_code, ends[2].signal, ends[2].teardown_signal) == (87, None, "SIGABRT")
     assert ends[3].stopped_by_launcher and not ends[3].failed
+
+
+def test_the_worker_puts_back_torchruns_per_attempt_contract() -> None:
+    env = {
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "none",
+        worker.TORCHELASTIC_ENV: json.dumps(
+            {"TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "2", "TORCHELASTIC_RUN_ID": "job-7"}
+        ),
+    }
+    worker.apply_torchelastic_env(env)
+    assert (env["TORCHELASTIC_RESTART_COUNT"], env["TORCHELASTIC_MAX_RESTARTS"], env["TORCHELASTIC_RUN_ID"]) == (
+        "2",
+        "2",
+        "job-7",
+    )

@@ -256,6 +256,8 @@ def test_the_launchers_records_name_the_signal_and_who_was_stopped(tmp_path: Pat
         RankEnd(rank=0, exit_code=1, exception={"type": "RuntimeError", "message": GLOO_RESET.split(": ", 1)[1]},
                 ended_at=ledger_start + 13.5),
         RankEnd(rank=1, signal="SIGKILL", ended_at=ledger_start + 12.6),
+    ], fault_notes=[  # what the launcher collected from the ledger: rank 0's note
+        {"kind": "exception", "rank": 0, "step": 57, "detected_at": ledger_start + 13.0, "message": GLOO_RESET},
     ])  # fmt: skip
     # an attempt that never reached its first step: the ledger never saw it, the launcher did
     _launched(run_dir, 9, ledger_start + 500.0, ledger_start + 520.0, [

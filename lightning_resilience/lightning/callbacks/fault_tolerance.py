@@ -18,12 +18,13 @@ from lightning_resilience.ft.config import FaultToleranceConfig
 from lightning_resilience.ft.ettr import EttrLedger, EttrReport
 from lightning_resilience.ft.heartbeat import RankMonitorBridge, connect_rank_monitor
 from lightning_resilience.ft.preemption import PreemptionNotice
-from lightning_resilience.ft.rendezvous import restart_hazard
+from lightning_resilience.ft.rendezvous import prepare_restarts, restart_hazard
 from lightning_resilience.ft.restart import Attempt, FaultNote, current_attempt, write_fault_note
 from lightning_resilience.ft.watchdog import OUT_OF_SECTION, Hang, HangHandler, TimeoutCalibrator, Watchdog
 from lightning_resilience.lightning._metrics import log_host_metrics, logging_step
 from lightning_resilience.lightning.coordination import Suite
 from lightning_resilience.policy import Action, Decision, Event
+from lightning_resilience.rundir import RunDir
 
 __all__ = ["FaultTolerance"]
 
@@ -68,6 +69,7 @@ class FaultTolerance(Callback):
         on_hang: Callable[[Hang], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        prepare_restarts()  # before the process group exists: a torchrun restart must come up
         self.config = config or FaultToleranceConfig()
         self._on_hang = on_hang
         self._clock = clock
@@ -130,7 +132,7 @@ class FaultTolerance(Callback):
         self._started_training, self._boundaries = False, 0
         self.preempted_at = self.emergency_saved = None
         self.exception = None
-        self.run_dir = Path(cfg.run_dir) if cfg.run_dir else Path(trainer.default_root_dir) / "resilience"
+        self.run_dir = RunDir.resolve(cfg.run_dir, trainer.default_root_dir).root
         self.attempt = current_attempt(trainer.global_rank, trainer.world_size)
         hazard = restart_hazard() if self.attempt.restart_count == 0 and trainer.world_size > 1 else None
         if hazard and trainer.is_global_zero:  # said before training, not after the first restart hangs

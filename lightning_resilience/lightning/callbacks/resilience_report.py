@@ -16,6 +16,7 @@ from typing_extensions import override
 from lightning_resilience.exit_codes import DecidedExit
 from lightning_resilience.lightning.coordination import Reporting, Suite
 from lightning_resilience.report import ResilienceReport, assemble, write_report
+from lightning_resilience.rundir import RunDir
 
 __all__ = ["ResilienceReportCallback"]
 
@@ -150,7 +151,7 @@ class ResilienceReportCallback(Callback):
             return
         self._written = True
         self.last_report = self.collect(trainer, status)
-        run_dir = self.run_dir or Path(trainer.default_root_dir) / "resilience"
+        run_dir = self.run_dir or RunDir.resolve(None, trainer.default_root_dir).root
         console = None
         if self.print_table:
             import sys

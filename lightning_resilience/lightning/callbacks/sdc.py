@@ -21,6 +21,7 @@ from lightning_resilience.exit_codes import ExitCode
 from lightning_resilience.lightning._metrics import log_host_metrics, logging_step
 from lightning_resilience.lightning.coordination import Suite
 from lightning_resilience.policy import Action, Decision, Event, Verdict
+from lightning_resilience.rundir import RunDir
 from lightning_resilience.sdc.config import SDCConfig
 from lightning_resilience.sdc.monitor import SDCMonitor, SDCStats, StepOutcome
 from lightning_resilience.sdc.verdict import Diagnosis, SDCEvent
@@ -29,7 +30,7 @@ __all__ = ["VERDICT_FILE", "SDCVerification"]
 
 log = logging.getLogger(__name__)
 
-VERDICT_FILE = "sdc_verdict.json"
+VERDICT_FILE = RunDir(Path()).sdc_verdict.name
 
 
 class SDCVerification(Callback):
@@ -260,11 +261,11 @@ class SDCVerification(Callback):
             "stopped": stop,
             "events": [e.to_json() for e in self.monitor.events],
         }
-        root = Path(self.config.run_dir)
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / (VERDICT_FILE + ".tmp")
+        path = RunDir(Path(self.config.run_dir)).sdc_verdict
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(payload, indent=1))
-        os.replace(tmp, root / VERDICT_FILE)
+        os.replace(tmp, path)
 
     # ----------------------------------------------------------------- state
     @override

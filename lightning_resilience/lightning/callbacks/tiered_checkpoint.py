@@ -14,10 +14,12 @@ from typing_extensions import override
 
 from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.manager import CheckpointManager, CheckpointStats, Restored
+from lightning_resilience.checkpoint.progress import record_progress
 from lightning_resilience.checkpoint.rng import capture_rng_states, restore_rng_states
 from lightning_resilience.checkpoint.tier import Durability, Tier
 from lightning_resilience.checkpoint.tree import storage_ptr
 from lightning_resilience.exit_codes import DecidedExit
+from lightning_resilience.ft.rendezvous import prepare_restarts
 from lightning_resilience.lightning._metrics import log_host_metrics, logging_step
 from lightning_resilience.lightning._train_data import TrainDataPosition
 from lightning_resilience.lightning._trainer_state import (
@@ -29,6 +31,7 @@ from lightning_resilience.lightning._trainer_state import (
 )
 from lightning_resilience.lightning.coordination import Suite
 from lightning_resilience.report import checkpoint_section
+from lightning_resilience.rundir import RunDir
 
 __all__ = ["TieredCheckpoint"]
 
@@ -69,6 +72,7 @@ class TieredCheckpoint(Checkpoint):
     def __init__(
         self, tiers: Sequence[Any], resume: str | int | None = None, config: CheckpointConfig | None = None
     ) -> None:
+        prepare_restarts()  # before the process group exists: a torchrun restart must come up
         base = config or CheckpointConfig()
         if resume is not None and config is not None and str(resume) != config.resume != "auto":
             raise ValueError(
@@ -122,6 +126,7 @@ class TieredCheckpoint(Checkpoint):
         assert self.manager is not None and self._suite is not None
         # collective over the job's ranks, in the order of the callbacks: the same on every rank
         self.manager.setup(side=self._suite.side("checkpoint", self.config.collective_timeout))
+        record_progress(self.manager, RunDir.resolve(None, trainer.default_root_dir))  # for the launcher
         driver = self._suite.the_driver()
         driver.add_contributor(self.manager.agreement)
         self.manager.agreement.driven = True
