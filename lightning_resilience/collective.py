@@ -231,9 +231,7 @@ class SideGroup:
             buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
             dist.all_gather(parts, buf, group=self._group, async_op=True).wait(timeout)
-        return [
-            loads_plain(p[: int(n.item())].numpy().tobytes()) for p, n in zip(parts, sizes)
-        ]
+        return [loads_plain(p[: int(n.item())].numpy().tobytes()) for p, n in zip(parts, sizes)]
 
     def all_gather_tensor(
         self, tensor: torch.Tensor, *, op: str, step: int | None = None, deadline: Deadline | None = None

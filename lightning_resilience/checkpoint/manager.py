@@ -27,7 +27,7 @@ from lightning_resilience.checkpoint.persist_view import PersistAgreement
 from lightning_resilience.checkpoint.restore import CollectiveRestore
 from lightning_resilience.checkpoint.retention import apply_retention
 from lightning_resilience.checkpoint.snapshot import HostSnapshot, SnapshotPool
-from lightning_resilience.checkpoint.stats import CheckpointStats, Restored, TierStats
+from lightning_resilience.checkpoint.stats import CheckpointStats, PersistResult, Restored, TierStats
 from lightning_resilience.checkpoint.tier import Durability, RamTier, Tier, TierIdentity, restore_order
 from lightning_resilience.checkpoint.tree import DTensorRebuilder, flatten_state
 from lightning_resilience.checkpoint.worker import PersistWorker
@@ -36,22 +36,6 @@ from lightning_resilience.collective import Deadline, SideGroup
 __all__ = ["CheckpointManager", "CheckpointStats", "Restored", "TierStats"]
 
 log = logging.getLogger(__name__)
-
-
-class _PersistResult:
-    __slots__ = ("deleted", "error", "nbytes", "seconds", "step", "tier")
-
-    def __init__(
-        self,
-        tier: str,
-        step: int,
-        nbytes: int,
-        seconds: float,
-        error: BaseException | None = None,
-        deleted: Sequence[int] = (),
-    ):
-        self.tier, self.step, self.nbytes, self.seconds, self.error = tier, step, nbytes, seconds, error
-        self.deleted = list(deleted)
 
 
 class CheckpointManager:
@@ -346,7 +330,7 @@ class CheckpointManager:
             self._failure = self._failure or err
             return None
 
-    def _persist(self, slot: HostSnapshot, tiers: list[Tier], protect: dict[str, int | None]) -> list[_PersistResult]:
+    def _persist(self, slot: HostSnapshot, tiers: list[Tier], protect: dict[str, int | None]) -> list[PersistResult]:
         """Runs on the worker thread: write the slot to each tier, then apply retention.
 
         Every tier is attempted whatever happened to the ones before it, so a collective tier's exchange is entered
@@ -363,13 +347,13 @@ class CheckpointManager:
                     written = tier.write(snap)
                     deleted = apply_retention(tier, protect.get(tier.name))
                 except OSError as err:
-                    results.append(_PersistResult(tier.name, snap.step, 0, time.perf_counter() - start, err))
+                    results.append(PersistResult(tier.name, snap.step, 0, time.perf_counter() - start, err))
                     continue
                 except Exception as err:
                     unexpected = unexpected or err
                     continue
                 results.append(
-                    _PersistResult(tier.name, snap.step, written.nbytes, time.perf_counter() - start, deleted=deleted)
+                    PersistResult(tier.name, snap.step, written.nbytes, time.perf_counter() - start, deleted=deleted)
                 )
                 self._tell_listeners(tier.name, snap.step)
         finally:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CheckpointStats", "Restored", "TierStats"]
+__all__ = ["CheckpointStats", "PersistResult", "Restored", "TierStats"]
 
 
 @dataclass
@@ -64,3 +65,16 @@ class Restored:
     tier: str
     seconds: float
     meta: dict[str, Any]
+
+
+@dataclass
+class PersistResult:
+    """One tier write of a background persist: what was written, how long it took, or why it failed; the steps
+    retention deleted after it."""
+
+    tier: str
+    step: int
+    nbytes: int
+    seconds: float
+    error: BaseException | None = None
+    deleted: Sequence[int] = ()

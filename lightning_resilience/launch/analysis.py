@@ -3,7 +3,7 @@
 Everything is read from the run directory at the paths :class:`~lightning_resilience.rundir.RunDir` names: what
 torchrun's agent observed (``outcome.json``), each rank's own record, the fault notes and the ledger of the attempt,
 the stack dumps of hung ranks. The culprit and the victims come from the one attribution engine of the suite
-(:func:`lightning_resilience.report.attribution.attribute`), fed by :func:`evidence`; ``lightning-resilience report``
+(:func:`lightning_resilience.attribution.engine.attribute`), fed by :func:`evidence`; ``lightning-resilience report``
 feeds it the same evidence from the attempt's record, so the launcher and the report name the same culprit.
 """
 
@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_resilience.attribution.engine import AttemptEvidence, Attribution, FailureKind, RankExit, attribute
 from lightning_resilience.exit_codes import ExitCode
 from lightning_resilience.ft.restart import FaultNote
 from lightning_resilience.launch.records import AttemptRecord, Cause, RankEnd, signal_name
 from lightning_resilience.launch.worker import read_rank_record
-from lightning_resilience.report.attribution import AttemptEvidence, Attribution, FailureKind, RankExit, attribute
 from lightning_resilience.rundir import LaunchDir, RunDir
 
 __all__ = ["AttemptEnd", "analyse", "evidence", "evidence_of", "name_culprit", "summary"]

@@ -16,8 +16,7 @@ the pictures, each step failing alone.
 
 from __future__ import annotations
 
-from lightning_resilience.report.assemble import assemble, checkpoint_section
-from lightning_resilience.report.attribution import (
+from lightning_resilience.attribution.engine import (
     AttemptEvidence,
     Attribution,
     FailureKind,
@@ -26,6 +25,7 @@ from lightning_resilience.report.attribution import (
     Role,
     attribute,
 )
+from lightning_resilience.report.assemble import assemble, checkpoint_section
 from lightning_resilience.report.model import REPORT_FORMAT, REPORT_NAME, ResilienceReport, load_report, save_json
 from lightning_resilience.report.plots import plot
 from lightning_resilience.report.render import format_bytes, render_table

@@ -17,12 +17,12 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightning_resilience.attribution.engine import AttemptEvidence, Attribution, attribute
 from lightning_resilience.ft.ettr import AttemptRecord
 from lightning_resilience.ft.restart import FaultNote, read_fault_notes
 from lightning_resilience.launch.analysis import evidence_of
 from lightning_resilience.launch.records import AttemptRecord as LaunchedAttempt
 from lightning_resilience.launch.records import read_records
-from lightning_resilience.report.attribution import AttemptEvidence, Attribution, attribute
 from lightning_resilience.report.timeline import Timeline, build_timeline
 from lightning_resilience.rundir import RunDir
 

@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lightning_resilience.attribution.engine import Attribution
 from lightning_resilience.ft.ettr import AttemptRecord, account
-from lightning_resilience.report.attribution import Attribution
 
 __all__ = ["BAND_KINDS", "AttemptTrack", "Band", "Timeline", "build_timeline"]
 

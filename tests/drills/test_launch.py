@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
+from lightning_resilience.attribution.failures import peer_symptom
 from lightning_resilience.exit_codes import ExitCode
 from lightning_resilience.launch.records import AttemptRecord, read_records
-from lightning_resilience.report.failures import peer_symptom
 from tests._ranks import free_port
 from tests.ft.test_ft_drills import _reports
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from lightning_resilience.attribution.engine import FailureKind
 from lightning_resilience.ft.ettr import EttrLedger
 from lightning_resilience.ft.restart import FaultNote, write_fault_note
 from lightning_resilience.launch.analysis import analyse
 from lightning_resilience.launch.records import AttemptRecord, append_record
-from lightning_resilience.report.attribution import FailureKind
 from lightning_resilience.report.rundir import explain_run
 from lightning_resilience.rundir import RunDir
 from tests.report._rundir import GLOO_RESET, SPINNING, WAITING_IN_BACKWARD, Clock

@@ -10,19 +10,19 @@ from typing import Any
 
 import pytest
 
-from lightning_resilience.exit_codes import ExitCode
-from lightning_resilience.ft.restart import FaultNote
-from lightning_resilience.launch.records import AttemptRecord as LaunchedAttempt
-from lightning_resilience.launch.records import RankEnd, append_record
-from lightning_resilience.report.attribution import (
+from lightning_resilience.attribution.engine import (
     AttemptEvidence,
     FailureKind,
     RankExit,
     Role,
     attribute,
 )
+from lightning_resilience.attribution.stacks import summarize_stacks
+from lightning_resilience.exit_codes import ExitCode
+from lightning_resilience.ft.restart import FaultNote
+from lightning_resilience.launch.records import AttemptRecord as LaunchedAttempt
+from lightning_resilience.launch.records import RankEnd, append_record
 from lightning_resilience.report.rundir import explain_run
-from lightning_resilience.report.stacks import summarize_stacks
 from tests.report._rundir import GLOO_RESET, SPINNING, WAITING_IN_BACKWARD, stack_dump, write_job
 
 

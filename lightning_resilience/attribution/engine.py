@@ -20,9 +20,7 @@ import signal
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightning_resilience.exit_codes import ExitCode
-from lightning_resilience.ft.restart import FaultNote
-from lightning_resilience.report.failures import (
+from lightning_resilience.attribution.failures import (
     AttemptEvidence,
     Attribution,
     FailureKind,
@@ -30,7 +28,9 @@ from lightning_resilience.report.failures import (
     RankFailure,
     Role,
 )
-from lightning_resilience.report.stacks import StackSummary, summarize_stacks
+from lightning_resilience.attribution.stacks import StackSummary, summarize_stacks
+from lightning_resilience.exit_codes import ExitCode
+from lightning_resilience.ft.restart import FaultNote
 
 __all__ = [
     "AttemptEvidence",

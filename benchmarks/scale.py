@@ -1,0 +1,356 @@
+"""Scale: what the suite costs an ordinary step from 2 to 32 ranks on loopback, and a latency model for 1k to 16k.
+
+Run from the repository root, alone on the machine::
+
+    python -m benchmarks.scale              # N = 2, 4, 8, 16, 32 (about 25 minutes on 2 cores)
+    python -m benchmarks.scale --quick      # smoke: N = 2, 4, few steps
+
+For each N, one launch (``torchrun --standalone --nproc-per-node N -m benchmarks._scale_job``): a trivial model
+(``Linear(8, 1)``) under Lightning DDP on gloo, with fits without the suite and with the default preset
+(``+resilience=default``) interleaved in the same processes. Per ordinary step (after 5 warm-up steps, before the
+last), on every rank:
+
+* **the suite's time on the training thread**: the time inside the suite's callbacks' hooks plus the step driver's
+  own (its round's issue at the batch start, then finish, agree, act, snapshot, stop, bookkeeping): what the suite
+  itself costs the step, whatever the rest of the machine does;
+* the step period with and without the suite (what the user feels; on 2 cores with N processes it is mostly the
+  machine's scheduling, not the code);
+* file descriptors per rank at mid-fit without and with the suite, and the time from fit start to the first batch.
+
+Then, off Lightning, the latency of the step agreement (16 fields) and of gathers to rank 0 (256 B and 16 KiB per
+rank). The **latency model**: a round is ``2 * depth(N)`` hops of a 4-ary tree, each ``alpha``; a gather to rank 0
+is ``depth(N)`` hops plus ``beta`` per byte arriving at rank 0. ``alpha`` and ``beta`` are fitted here, where a hop
+is a context switch of an oversubscribed CPU; the predictions at 1k, 4k and 16k ranks are given with that ``alpha``
+and with a cluster's (``--alpha-cluster-us``, 20 us: a network round trip), stated as an assumption. The suite's
+cost per step at scale is its measured fixed cost plus any wait for a round that outlasts the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    add_load_argument,
+    check_load_at_start,
+    command_line,
+    finish_load,
+    load_line,
+    machine_info,
+    md_table,
+    now_iso,
+    print_flush,
+    target,
+    write_json,
+)
+
+TITLE = "Scale: the step path from 2 to 32 ranks, and a model for 1k to 16k ranks"
+DEFAULT_OUT = RESULTS_DIR / "scale.json"
+README_PENDING = "* **scale** (the suite's cost per ordinary step against the number of ranks): pending."
+FANOUT = 4
+WARMUP = 5
+PREDICT_AT = (1024, 4096, 16384)
+STEP_TIMES_S = (0.1, 1.0)
+FIELDS = 16
+STRAGGLER_RECORD_B = 400
+"""Bytes per rank of a straggler exchange: 10 steps x 4 sections as JSON."""
+
+
+def depth(n: int, fanout: int = FANOUT) -> int:
+    """Levels below rank 0 of the ``fanout``-ary tree of ``n`` ranks."""
+    d, reach = 0, 1
+    while reach < n:
+        d, reach = d + 1, reach * fanout + 1
+    return d
+
+
+def _launch(n: int, out: Path, steps: int, turns: int, rounds: int, timeout_s: float) -> list[dict[str, Any]]:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+        "-m", "benchmarks._scale_job", "--out", str(out), "--steps", str(steps), "--turns", str(turns),
+        "--rounds", str(rounds),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"scale job with {n} ranks failed: {proc.stderr[-3000:]}")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+def _ordinary(by_step: dict[str, float], steps: int) -> list[float]:
+    return [v for k, v in by_step.items() if WARMUP <= int(k) < steps - 1]
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def summarize_n(n: int, ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]:
+    """One N: the suite's own time per ordinary step, the step periods, descriptors, set-up, round latencies."""
+    suite_ms: list[float] = []
+    rank0_ms: list[float] = []
+    periods: dict[bool, list[float]] = {False: [], True: []}
+    fds: dict[bool, list[int]] = {False: [], True: []}
+    first: dict[bool, list[float]] = {False: [], True: []}
+    late = rounds = 0
+    for res in ranks:
+        seen: set[bool] = set()
+        for fit in res["fits"]:
+            suite = bool(fit["suite"])
+            periods[suite] += fit["periods_s"][WARMUP : steps - 1]
+            if suite not in seen:  # the first fit of each kind: later ones keep the earlier fits' groups open
+                fds[suite].append(int(fit["fds"]))
+                seen.add(suite)
+            if fit["first_batch_s"] is not None:
+                first[suite].append(float(fit["first_batch_s"]))
+            if suite:
+                hooks, driver = fit["hook_s_by_step"], fit["driver_s_by_step"]
+                per_step = [1e3 * (hooks.get(k, 0.0) + v) for k, v in driver.items() if WARMUP <= int(k) < steps - 1]
+                suite_ms += per_step
+                if res["rank"] == 0:
+                    rank0_ms += per_step
+                late += int(fit["agreement"]["late"])
+                rounds += int(fit["agreement"]["rounds"])
+    mean = {k: statistics.fmean(v) for k, v in periods.items()}
+    reduce_s = [x for res in ranks for x in res["reduce_s"]]
+    return {
+        "ranks": n,
+        "depth": depth(n),
+        "suite_ms": {
+            "mean": statistics.fmean(suite_ms),
+            "median": statistics.median(suite_ms),
+            "p99": _pct(suite_ms, 99),
+            "n": len(suite_ms),
+        },
+        "rank0_suite_ms_mean": statistics.fmean(rank0_ms) if rank0_ms else None,
+        "period_ms": {
+            "without": {"mean": 1e3 * mean[False], "p99": 1e3 * _pct(periods[False], 99)},
+            "with": {"mean": 1e3 * mean[True], "p99": 1e3 * _pct(periods[True], 99)},
+            "slowdown_mean": mean[True] / mean[False] - 1,
+        },
+        "fds_per_rank": {
+            "without": max(fds[False]),
+            "with": max(fds[True]),
+            "added": max(w - b for w, b in zip(fds[True], fds[False])),
+        },
+        "first_batch_s": {"without": statistics.median(first[False]), "with": statistics.median(first[True])},
+        "late_rounds": late,
+        "rounds": rounds,
+        "round_ms": {"median": 1e3 * statistics.median(reduce_s), "p99": 1e3 * _pct(reduce_s, 99)},
+        "gather_ms": {
+            "small": 1e3 * statistics.median(ranks[0]["gather_small_s"]),
+            "large": 1e3 * statistics.median(ranks[0]["gather_large_s"]),
+        },
+    }
+
+
+def _fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least squares ``y = a + b x``: (a, b)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    return my - b * mx, b
+
+
+def model(rows: list[dict[str, Any]], alpha_cluster_s: float) -> dict[str, Any]:
+    """Fit alpha (per hop) and beta (per byte at rank 0), and predict at 1k, 4k and 16k ranks."""
+    hops = [2 * r["depth"] for r in rows]
+    c0, alpha = _fit_line(hops, [r["round_ms"]["median"] / 1e3 for r in rows])
+    alpha = max(alpha, 1e-6)
+    # the 16 KiB gather against the 256 B one: the extra bytes all arrive at rank 0
+    betas = [
+        max(0.0, (r["gather_ms"]["large"] - r["gather_ms"]["small"]) / 1e3) / ((16384 - 256) * (r["ranks"] - 1))
+        for r in rows
+        if r["ranks"] > 1
+    ]
+    beta = statistics.median(betas) if betas else 0.0
+    fixed_ms = statistics.fmean(r["suite_ms"]["mean"] for r in rows)
+    predictions = []
+    for n in PREDICT_AT:
+        for name, a in (("fitted here", alpha), ("cluster", alpha_cluster_s)):
+            round_s = c0 + 2 * depth(n) * a + beta * 8 * FIELDS * FANOUT * depth(n)
+            gather_s = depth(n) * a + beta * STRAGGLER_RECORD_B * n
+            waits = {str(t): max(0.0, round_s - t) * 1e3 for t in STEP_TIMES_S}
+            predictions.append(
+                {
+                    "ranks": n,
+                    "alpha": name,
+                    "round_ms": round_s * 1e3,
+                    "straggler_gather_ms": gather_s * 1e3,
+                    "suite_ms_per_step": {str(t): fixed_ms + waits[str(t)] for t in STEP_TIMES_S},
+                }
+            )
+    return {
+        "alpha_us_fitted": alpha * 1e6,
+        "round_intercept_ms": c0 * 1e3,
+        "beta_ns_per_byte": beta * 1e9,
+        "alpha_us_cluster": alpha_cluster_s * 1e6,
+        "fixed_ms": fixed_ms,
+        "predictions": predictions,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--turns", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--alpha-cluster-us", type=float, default=20.0)
+    parser.add_argument("--quick", action="store_true", help="smoke: N = 2, 4 and few steps")
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    add_load_argument(parser)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.ranks, args.steps, args.turns, args.rounds = [2, 4], 20, 2, 5
+    machine = machine_info()
+    check_load_at_start(machine, allow=args.allow_loaded, quick=args.quick, name="benchmarks.scale")
+    rows = []
+    for n in args.ranks:
+        with tempfile.TemporaryDirectory(prefix=f"scale{n}_") as tmp:
+            print_flush(f"[scale] {n} ranks")
+            ranks = _launch(n, Path(tmp), args.steps, args.turns, args.rounds, timeout_s=300 + 30 * n)
+        row = summarize_n(n, ranks, args.steps)
+        rows.append(row)
+        print_flush(
+            f"[scale] {n:>3} ranks: suite {row['suite_ms']['mean']:.2f} ms/step (p99 {row['suite_ms']['p99']:.2f}), "
+            f"period +{100 * row['period_ms']['slowdown_mean']:.0f}%, fds +{row['fds_per_rank']['added']}, "
+            f"round {row['round_ms']['median']:.2f} ms"
+        )
+    a, slope = _fit_line([r["ranks"] for r in rows], [r["suite_ms"]["mean"] for r in rows])
+    at2 = a + 2 * slope
+    fitted = model(rows, args.alpha_cluster_us * 1e-6)
+    result: dict[str, Any] = {
+        "benchmark": "scale",
+        "title": TITLE,
+        "when": now_iso(),
+        "command": command_line("benchmarks.scale", list(argv or [])),
+        "machine": finish_load(machine),
+        "quick": args.quick,
+        "steps": args.steps,
+        "rows": rows,
+        "slope_ms_per_rank": slope,
+        "suite_ms_at_2": at2,
+        "model": fitted,
+        "targets": [
+            target("suite time per ordinary step: slope per rank / value at 2 ranks", slope / at2, "<=", 0.01),
+            target(
+                "suite time per ordinary step at 2 ranks (trivial model)", rows[0]["suite_ms"]["mean"], "<=", 5.0, "ms"
+            ),
+            target(
+                "file descriptors the suite adds per rank (most over N)",
+                max(r["fds_per_rank"]["added"] for r in rows),
+                "<=",
+                16,
+            ),
+        ],
+    }
+    write_json(args.out, result)
+    print_flush(render_markdown(result))
+    return 0
+
+
+def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
+    lines = [f"{heading} {TITLE}", ""]
+    lines.append(
+        f"`{r['command']}` on {r['machine'].get('cpu_count')} CPU cores, {r['when']} ({load_line(r['machine'])}); "
+        "gloo ranks on loopback, a trivial model under Lightning DDP, the default preset against no suite in the "
+        "same processes. CPU only: with N processes on 2 cores, a hop between ranks is a context switch."
+    )
+    lines.append("")
+    rows = [
+        [
+            row["ranks"],
+            f"{row['suite_ms']['mean']:.2f}",
+            f"{row['suite_ms']['p99']:.2f}",
+            f"{row['period_ms']['without']['mean']:.1f}",
+            f"{row['period_ms']['with']['mean']:.1f}",
+            f"{100 * row['period_ms']['slowdown_mean']:+.0f}%",
+            f"{row['fds_per_rank']['without']} / {row['fds_per_rank']['with']} (+{row['fds_per_rank']['added']})",
+            f"{row['first_batch_s']['without']:.2f} / {row['first_batch_s']['with']:.2f}",
+            f"{row['round_ms']['median']:.2f}",
+            f"{row['late_rounds']}/{row['rounds']}",
+        ]
+        for row in r["rows"]
+    ]
+    lines.append(
+        md_table(
+            [
+                "ranks",
+                "suite ms/step (mean)",
+                "suite p99",
+                "step ms without",
+                "step ms with",
+                "slowdown",
+                "fds/rank without / with",
+                "fit start to 1st batch s",
+                "round ms",
+                "rounds late",
+            ],
+            rows,
+        )
+    )
+    m = r["model"]
+    lines += [
+        "",
+        f"Suite time per ordinary step against N: slope {r['slope_ms_per_rank'] * 1e3:.1f} us per rank, "
+        f"{r['suite_ms_at_2']:.2f} ms at 2 ranks. Latency model: alpha {m['alpha_us_fitted']:.0f} us per hop fitted "
+        f"here (a cluster's: {m['alpha_us_cluster']:.0f} us, assumed), beta {m['beta_ns_per_byte']:.2f} ns per byte at "
+        f"rank 0, the suite's fixed cost {m['fixed_ms']:.2f} ms per step (measured above).",
+        "",
+    ]
+    pred = [
+        [
+            p["ranks"],
+            p["alpha"],
+            f"{p['round_ms']:.2f}",
+            f"{p['straggler_gather_ms']:.1f}",
+            *[f"{p['suite_ms_per_step'][str(t)]:.2f}" for t in STEP_TIMES_S],
+        ]
+        for p in m["predictions"]
+    ]
+    header = ["ranks", "alpha", "round ms", "straggler gather ms"] + [f"suite ms/step, {t:g} s steps" for t in STEP_TIMES_S]
+    lines.append(md_table(header, pred))
+    lines.append("")
+    for t in r["targets"]:
+        value = t["value"]
+        shown = "n/a" if value is None else f"{value:.3g}"
+        lines.append(f"- {t['name']}: {shown} {t.get('unit', '')} ({'PASS' if t['ok'] else 'MISS'})")
+    return "\n".join(lines) + "\n"
+
+
+def readme_summary(r: dict[str, Any]) -> str:
+    rows = r["rows"]
+    first, last = rows[0], rows[-1]
+    m = r["model"]
+    at16k = next(
+        (p for p in m["predictions"] if p["ranks"] == PREDICT_AT[-1] and p["alpha"] == "cluster"), None
+    )
+    tail = (
+        f"; modelled at {at16k['ranks']:,} ranks (20 us hops): a round of {at16k['round_ms']:.2f} ms, hidden by any "
+        "step longer than that"
+        if at16k
+        else ""
+    )
+    return (
+        f"* **scale** (gloo ranks on loopback, trivial model, default preset, CPU): the suite's own time per ordinary "
+        f"step is {first['suite_ms']['mean']:.2f} ms at {first['ranks']} ranks and {last['suite_ms']['mean']:.2f} ms "
+        f"at {last['ranks']} (slope {r['slope_ms_per_rank'] * 1e3:.1f} us per rank); it adds "
+        f"{max(x['fds_per_rank']['added'] for x in rows)} file descriptors per rank at most{tail}."
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
