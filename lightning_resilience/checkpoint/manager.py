@@ -20,6 +20,7 @@ from typing import Any, cast
 import torch
 
 from lightning_resilience.checkpoint._legacy import conform
+from lightning_resilience.checkpoint.cadence import CadenceController
 from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.emergency import EmergencySave
 from lightning_resilience.checkpoint.errors import CheckpointWorkerError
@@ -80,6 +81,15 @@ class CheckpointManager:
         self._group = SideGroup("checkpoint", self.config.collective_timeout, local=True)  # peers come with setup
         self.identity = TierIdentity()
         self.stats = CheckpointStats(tiers={t.name: TierStats() for t in self.tiers})
+        self.cadence = CadenceController(
+            self.tiers,
+            budget=self.config.overhead_budget,
+            mtbf_prior_s=self.config.mtbf_prior_s,
+            review_steps=self.config.cadence_review_steps,
+            write_seconds=self._mean_write_seconds,
+            clock=clock,
+        )
+        """When each tier is due: as set, or chosen by the cost budget (``every_n_steps=0``)."""
         self._meta_providers: list[Callable[[int], dict[str, Any]]] = []
         self._warned: set[str] = set()
         self._closed = False
@@ -92,6 +102,7 @@ class CheckpointManager:
         # a side group: our small agreements never interleave with the training collectives
         self._group = SideGroup("checkpoint", self.config.collective_timeout, parent=group)
         self.identity = TierIdentity(self._group.rank, self._group.world_size)
+        self.cadence.bind(self._group.reduce_max_each, self._group.rank)
         for tier in self.tiers:
             tier.bind(self.identity)
 
@@ -147,9 +158,10 @@ class CheckpointManager:
                 ``checkpoint.on_persist_error=raise``): raised on every rank at the next persist agreement.
         """
         self._hold_failure(self.collect)
-        memory_due = [t for t in self._memory if step % t.every_n_steps == 0]
+        self.cadence.begin(step)  # at a review step: one small agreement on the budgeted cadences
+        memory_due = [t for t in self._memory if self.cadence.due(t, step)]
         persist_due = list(
-            dict.fromkeys([*self._deferred, *(t for t in self._persistent if step % t.every_n_steps == 0)])
+            dict.fromkeys([*self._deferred, *(t for t in self._persistent if self.cadence.due(t, step))])
         )
         if not memory_due and not persist_due:
             return False
@@ -185,6 +197,7 @@ class CheckpointManager:
         self.stats.capture_seconds += elapsed
         self.stats.last_capture_seconds = elapsed
         self.stats.capture_seconds_max = max(self.stats.capture_seconds_max, elapsed)
+        self.cadence.end(elapsed, snapshot=bool(memory_due), persist=bool(persist_due))
         return bool(memory_due or persist_now)
 
     def flush(self, step: int, state: Callable[[], Any], meta: dict[str, Any] | None = None) -> None:
@@ -262,6 +275,11 @@ class CheckpointManager:
         waited = self._clock() - start
         self.stats.capture_seconds += waited
         self.stats.wait_seconds += waited
+        self.cadence.blocked(waited)
+
+    def _mean_write_seconds(self, tier: str) -> float | None:
+        stats = self.stats.tiers[tier]
+        return stats.seconds / stats.writes if stats.writes else None
 
     def guard_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
         """Make ``optimizer.step`` come after an in-flight snapshot copy of the tensors it is about to change.

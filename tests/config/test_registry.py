@@ -59,10 +59,10 @@ def test_group_choice_overrides_the_preset() -> None:
 
 
 def test_a_bad_value_names_its_full_key() -> None:
-    cfg = _compose("resilience.checkpoint.tiers.1.every_n_steps=0")
+    cfg = _compose("resilience.checkpoint.tiers.1.keep=0")
     with pytest.raises(ResilienceConfigError) as err:
         build_all(cfg.resilience, skip=lambda name: name == "run_dir")  # type: ignore[attr-defined]
-    assert str(err.value) == "resilience.checkpoint.tiers[1].every_n_steps must be >= 1, got 0"
+    assert str(err.value) == "resilience.checkpoint.tiers[1].keep must be >= 1, got 0"
 
 
 def test_a_wrong_type_fails_at_composition_naming_its_full_key() -> None:
