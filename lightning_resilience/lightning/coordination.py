@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_resilience.collective import SideGroup
 from lightning_resilience.exit_codes import DecidedExit, ExitCode
+from lightning_resilience.ft.ettr import failure_history
 from lightning_resilience.lightning._metrics import log_host_metrics
 from lightning_resilience.lightning.rollback import InProcessRollback
 from lightning_resilience.policy import Action, Decision, Event, PolicyBus, PolicyConfig, Verdict
@@ -188,6 +189,12 @@ class Suite:
 
             self._bus = PolicyBus(self.policy_config, reduce_max)
         return self._bus
+
+    def failure_history(self) -> tuple[float, int] | None:
+        """The run's wall-clock seconds so far and the attempts that ended in a fault, from the fault-tolerance
+        ledger (global rank 0 keeps it; None elsewhere, or without fault tolerance)."""
+        ledger = self.fault_tolerance.ledger if self.fault_tolerance is not None else None
+        return failure_history(ledger.attempts) if ledger is not None else None
 
     def barrier(self, what: str) -> None:
         """Collective: every rank has got here (bounded by the policy's timeout)."""

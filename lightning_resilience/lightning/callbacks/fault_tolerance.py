@@ -225,7 +225,10 @@ class FaultTolerance(Callback):
         self._last_step = step
         if self.ledger is not None:
             self.ledger.heartbeat(
-                step, checkpoint_blocking_s=self._checkpoint_blocking(trainer), persisted=self._persisted(trainer)
+                step,
+                checkpoint_blocking_s=self._checkpoint_blocking(trainer),
+                persisted=self._persisted(trainer),
+                cadences=self._cadences(),
             )
         self._boundaries += 1
         if self.monitor is not None and not self.monitor.calibrated and self._boundaries > self.config.warmup_steps:
@@ -363,6 +366,13 @@ class FaultTolerance(Callback):
             return {}
         stats = checkpoint.manager.stats.tiers
         return {t.name: stats[t.name].last_step for t in checkpoint.manager.tiers if not isinstance(t, MemoryTier)}
+
+    def _cadences(self) -> list[tuple[int, str, int, str]]:
+        """The cadences the checkpoint engine's cost budget chose so far, and why."""
+        checkpoint = self._suite.checkpoint if self._suite is not None else None
+        if checkpoint is None or checkpoint.manager is None:
+            return []
+        return [(c.step, c.tier, c.every_n_steps, c.reason) for c in checkpoint.manager.cadence.changes]
 
     def ettr(self) -> EttrReport | None:
         """Time accounting so far (global rank 0 only; None elsewhere)."""

@@ -195,6 +195,7 @@ class ResilienceReportCallback(Callback):
                 checkpoint.manager.tiers,
                 restores=checkpoint.restores,
                 blocking_timeline=self._timeline,
+                cadence=checkpoint.manager.cadence.report(),
             )
             summaries["checkpoint"] = checkpoint.summary()
         reporters: list[Reporting] = [*suite.reporters, suite]
