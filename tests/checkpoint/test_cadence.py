@@ -233,3 +233,21 @@ def test_a_real_heavy_state_is_spaced_out_by_the_engine(managers: list[Checkpoin
     chosen = manager.cadence.report()["tiers"]["memory"]
     assert chosen["every_n_steps"] > 1 and "over its 5.00% of the budget" in chosen["reason"], chosen
     assert 0.75 * budget <= blocked / compute <= 1.25 * budget, (blocked / compute, chosen)
+
+
+def test_the_simulator_chooses_as_the_engine_does(managers: list[CheckpointManager]) -> None:
+    """The same measured costs give the same cadence in the engine (what it measured) and in the simulator (what
+    its tier is configured to cost): one cadence function."""
+    from lightning_resilience.sim.config import JobConfig, SimConfig, SimTierConfig
+
+    clock = FakeClock()
+    manager = _manager(managers, MemoryTier(every_n_steps=BUDGET, keep=2), clock=clock, cadence_review_steps=10)
+    state = _state(2**16)
+    _train(manager, clock, state, range(1, 30), 0.015 / (2**16 * 4))  # a snapshot costs 15 ms of a 100 ms step
+    engine = manager.cadence.plan["memory"]
+    sim = SimConfig(
+        tiers=[SimTierConfig(name="memory", every_n_steps=BUDGET, blocking_s=0.015, durability="process")],
+        job=JobConfig(step_s=STEP_S),
+    )
+    (simulated,) = sim.cadences()
+    assert (simulated.every_n_steps, simulated.set_by) == (engine.every_n_steps, engine.set_by) == (8, "budget")
