@@ -173,7 +173,7 @@ def plan_cadences(tiers: Sequence[TierCosts], *, step_s: float, budget: float, m
                 f"a snapshot blocks {_ms(t.blocking_s)}, {_pct(cost)} of a {_ms(step_s)} step: over its {_pct(share)} "
                 f"of the budget, so every {k} steps ({_pct(cost / k)})"
             )
-        if taken > budget - left:
+        if taken > 0:
             reason += f"; the other tiers take {_pct(taken)}"
         chosen[t.name] = Cadence(t.name, k, "budget", reason, cost / k)
     return [chosen[t.name] for t in tiers]
