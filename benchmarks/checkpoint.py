@@ -3,7 +3,7 @@ and Lightning's ModelCheckpoint, like for like.
 
 Run from the repository root, on a quiet machine (it refuses to run when the load average exceeds the cores)::
 
-    python -m benchmarks.checkpoint                  # small GPT (~23M params, 280 MB of state), 30-40 min on 2 cores
+    python -m benchmarks.checkpoint                  # small GPT (~23M params, 280 MB of state), ~40 min on 2 cores
     python -m benchmarks.checkpoint --quick --preset tiny    # smoke mode, a minute or two; nothing to publish
 
 One training loop, one model; the contenders take turns of ``--turn`` steps (order reversed every other round), so
