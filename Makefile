@@ -77,7 +77,7 @@ unit: $(STAMP)
 
 test: lint typecheck nemo-venv slurm unit
 
-# every benchmark (about an hour on 2 quiet cores), then docs/benchmarks.md and the README figures from the results
+# every benchmark (about an hour and a half on 2 quiet cores), then docs/benchmarks.md and the README figures from the results
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
 

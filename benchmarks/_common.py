@@ -16,21 +16,31 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "P99_MIN_SAMPLES",
     "REPO_ROOT",
     "RESULTS_DIR",
+    "add_load_argument",
+    "check_load_at_start",
     "command_line",
     "evict_page_cache",
     "fmt_ms",
     "fmt_pct",
     "fmt_ratio",
+    "finish_load",
+    "load_line",
     "machine_info",
     "md_table",
     "now_iso",
     "percentile",
     "print_flush",
     "ratio",
+    "report",
+    "result_header",
+    "state_tensors",
     "summarize",
+    "tail_key",
     "target",
+    "unfit_reason",
     "write_json",
     "GPTWorkload",
     "StepClock",
@@ -69,8 +79,17 @@ def _mem_total_gib() -> float | None:
     return None
 
 
+def _loadavg() -> list[float] | None:
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def machine_info() -> dict[str, Any]:
-    """Versions and hardware facts needed to read the figures (they are not portable across machines)."""
+    """Versions and hardware facts needed to read the figures (they are not portable across machines), and the
+    load average at the start (:func:`finish_load` adds the end's and says whether the result is fit to publish)."""
     import torch
 
     info: dict[str, Any] = {
@@ -83,7 +102,8 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
         "cuda_available": torch.cuda.is_available(),
-        "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "cores": _cores(),
+        "loadavg_at_start": _loadavg(),
     }
     try:
         import lightning
@@ -98,6 +118,76 @@ def machine_info() -> dict[str, Any]:
     except ImportError:  # pragma: no cover
         info["lightning_resilience"] = None
     return info
+
+
+# ---------------------------------------------------------------------------------------------- machine load
+def add_load_argument(parser: Any) -> None:
+    """``--allow-loaded``: run on a machine loaded past its cores anyway (the result is marked unfit)."""
+    parser.add_argument(
+        "--allow-loaded",
+        action="store_true",
+        help="run although the machine is loaded past its cores (the result is marked unfit to publish)",
+    )
+
+
+def _loaded(load: list[float] | None, cores: int) -> bool:
+    return load is not None and load[0] > cores
+
+
+def check_load_at_start(machine: dict[str, Any], *, allow: bool, quick: bool = False, name: str = "") -> None:
+    """Refuse to time steps on a machine whose 1-min load average already exceeds its cores: every figure would
+    hold the neighbours' work. A quick (smoke) run, or ``--allow-loaded``, goes on (the result is marked unfit)."""
+    load, cores = machine.get("loadavg_at_start"), int(machine.get("cores") or _cores())
+    if _loaded(load, cores) and not (allow or quick):
+        assert load is not None
+        raise SystemExit(
+            f"{name or 'benchmark'}: the 1-min load average is {load[0]:.2f} on {cores} cores: other work would be "
+            "timed too. Run it on a quiet machine, or pass --allow-loaded (the result is then marked unfit)."
+        )
+
+
+def finish_load(machine: dict[str, Any]) -> dict[str, Any]:
+    """Record the load average at the end in ``machine`` and whether the result is fit to publish: it is not when
+    the 1-min load average exceeded the cores at the start or at the end (the benchmark's own threads count too)."""
+    cores = int(machine.get("cores") or _cores())
+    machine["loadavg_at_end"] = _loadavg()
+    start, end = machine.get("loadavg_at_start"), machine["loadavg_at_end"]
+    why = [
+        f"1-min load average {load[0]:.2f} at the {when} on {cores} cores"
+        for when, load in (("start", start), ("end", end))
+        if load is not None and _loaded(load, cores)
+    ]
+    machine["load"] = {"cores": cores, "fit_to_publish": not why, "why": "; ".join(why) or None}
+    return machine
+
+
+def unfit_reason(result: dict[str, Any]) -> str | None:
+    """Why a result is not fit to publish (the machine was loaded past its cores), or None."""
+    load = (result.get("machine") or {}).get("load") or {}
+    return None if load.get("fit_to_publish", True) else str(load.get("why"))
+
+
+def load_line(machine: dict[str, Any]) -> str:
+    """The load averages of a run, as the docs show them."""
+
+    def one(key: str) -> str:
+        load = machine.get(key)
+        return "n/a" if not load else f"{load[0]:.1f}"
+
+    cores = machine.get("cores") or machine.get("cpu_affinity") or machine.get("cpu_count")
+    return f"1-min load average {one('loadavg_at_start')} at start, {one('loadavg_at_end')} at end" + (
+        f" ({cores} cores)" if cores else ""
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- summaries
+P99_MIN_SAMPLES = 100
+"""Fewer samples than this and a p99 is the maximum: the tail is then reported as the maximum, named so."""
+
+
+def tail_key(summary: dict[str, Any]) -> str:
+    """``p99_s`` for a summary of at least :data:`P99_MIN_SAMPLES` samples, else ``max_s``."""
+    return "p99_s" if summary.get("n", 0) >= P99_MIN_SAMPLES else "max_s"
 
 
 def summarize(samples: Iterable[float]) -> dict[str, Any]:
@@ -202,6 +292,38 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 def print_flush(*args: Any) -> None:
     print(*args, flush=True)
     sys.stdout.flush()
+
+
+def report(result: dict[str, Any], out: str | os.PathLike[str], render: Callable[[dict[str, Any]], str]) -> int:
+    """Write ``result`` to ``out``, print its Markdown section and where it went; the exit status (0)."""
+    path = write_json(out, result)
+    print_flush(render(result))
+    print_flush(f"\nwrote {path}")
+    return 0
+
+
+def result_header(
+    benchmark: str, title: str, module: str, argv: Sequence[str], started: float, machine: dict[str, Any]
+) -> dict[str, Any]:
+    """The first keys of every result: what ran, how to run it again, when, for how long, where (the machine's load
+    at the end recorded now, see :func:`finish_load`); ``started`` is a ``time.perf_counter()`` reading."""
+    import time
+
+    return {
+        "benchmark": benchmark,
+        "title": title,
+        "command": command_line(module, argv),
+        "date": now_iso(),
+        "total_wall_s": time.perf_counter() - started,
+        "machine": finish_load(machine),
+    }
+
+
+def state_tensors(state: Any) -> list[Any]:
+    """Every tensor of a (nested) training state, as the checkpoint engine flattens it."""
+    from lightning_resilience.checkpoint.tree import flatten_state
+
+    return list(flatten_state(state).tensors.values())
 
 
 class GPTWorkload:

@@ -33,7 +33,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from benchmarks._common import REPO_ROOT, print_flush
+from benchmarks._common import REPO_ROOT, print_flush, unfit_reason
 
 DOCS = REPO_ROOT / "docs" / "benchmarks.md"
 README = REPO_ROOT / "README.md"
@@ -116,7 +116,12 @@ def render_docs(sections: list[Section]) -> str:
             )
             lines += [f"## {title}", "", why[0].upper() + why[1:] + ".", ""]
             continue
-        lines.append(module.render_markdown(result).rstrip() + "\n")
+        section = module.render_markdown(result).rstrip()
+        unfit = unfit_reason(result)
+        if unfit:  # said right under the section's heading
+            heading, _, body = section.partition("\n")
+            section = f"{heading}\n\n**Unfit to publish: the machine was loaded past its cores ({unfit}).**\n{body}"
+        lines.append(section + "\n")
         shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
         lines += [f"Raw samples, ratios and machine facts: `{shown.as_posix()}`.", ""]
     return "\n".join(lines).rstrip() + "\n"
@@ -158,7 +163,12 @@ def render_readme_figures(sections: list[Section]) -> str:
             lines.append("* " + (pending or f"**{getattr(module, 'TITLE', name)}**: pending, {why}."))
             continue
         summary = getattr(module, "readme_summary", None)
-        lines.append("* " + (summary(result) if callable(summary) else _generic_summary(module, result)))
+        unfit = unfit_reason(result)
+        lines.append(
+            "* "
+            + (f"(**unfit**: measured with {unfit}) " if unfit else "")
+            + (summary(result) if callable(summary) else _generic_summary(module, result))
+        )
     lines.append(END)
     return "\n".join(lines)
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -94,7 +93,7 @@ def _ordinary(by_step: dict[str, float], steps: int) -> list[float]:
 
 def _pct(xs: Sequence[float], q: float) -> float:
     ordered = sorted(xs)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def summarize_n(n: int, ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]:
@@ -321,7 +320,8 @@ def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
         ]
         for p in m["predictions"]
     ]
-    header = ["ranks", "alpha", "round ms", "straggler gather ms"] + [f"suite ms/step, {t:g} s steps" for t in STEP_TIMES_S]
+    header = ["ranks", "alpha", "round ms", "straggler gather ms"]
+    header += [f"suite ms/step, {t:g} s steps" for t in STEP_TIMES_S]
     lines.append(md_table(header, pred))
     lines.append("")
     for t in r["targets"]:
@@ -335,9 +335,7 @@ def readme_summary(r: dict[str, Any]) -> str:
     rows = r["rows"]
     first, last = rows[0], rows[-1]
     m = r["model"]
-    at16k = next(
-        (p for p in m["predictions"] if p["ranks"] == PREDICT_AT[-1] and p["alpha"] == "cluster"), None
-    )
+    at16k = next((p for p in m["predictions"] if p["ranks"] == PREDICT_AT[-1] and p["alpha"] == "cluster"), None)
     tail = (
         f"; modelled at {at16k['ranks']:,} ranks (20 us hops): a round of {at16k['round_ms']:.2f} ms, hidden by any "
         "step longer than that"

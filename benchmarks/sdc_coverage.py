@@ -48,7 +48,10 @@ import torch
 
 from benchmarks._common import (
     REPO_ROOT,
+    add_load_argument,
+    check_load_at_start,
     command_line,
+    finish_load,
     fmt_pct,
     machine_info,
     md_table,
@@ -385,6 +388,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tmpdir", default=None, help="where the ranks leave their results")
     p.add_argument("--out", default=DEFAULT_OUT, help="JSON result file")
     p.add_argument("--quick", action="store_true", help="smoke mode: cadences shortened to 5 steps, few trials")
+    add_load_argument(p)
     args = p.parse_args(argv)
     q = args.quick
     args.preset = args.preset or list(PRESETS)
@@ -400,6 +404,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     t0 = pc()
+    machine = machine_info()
+    check_load_at_start(machine, allow=args.allow_loaded, quick=args.quick, name=MODULE)
     presets = {name: measure(name, args) for name in args.preset}
     targets = []
     if "default" in presets:
@@ -427,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "title": TITLE,
         "command": command_line(MODULE, argv),
         "date": now_iso(),
-        "machine": machine_info(),
+        "machine": finish_load(machine),
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "tmpdir")},
         "presets": presets,
         "targets": targets,

@@ -47,7 +47,10 @@ import numpy as np
 
 from benchmarks._common import (
     REPO_ROOT,
+    add_load_argument,
+    check_load_at_start,
     command_line,
+    finish_load,
     fmt_pct,
     machine_info,
     md_table,
@@ -418,6 +421,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--launch-timeout", type=float, default=3600.0, help="bound of one torchrun launch (s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=DEFAULT_OUT, help="JSON result file")
+    add_load_argument(p)
     args = p.parse_args(argv)
     q = args.quick
     defaults = {
@@ -443,6 +447,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     started = pc()
     machine = machine_info()
+    check_load_at_start(machine, allow=args.allow_loaded, quick=args.quick, name=MODULE)
     logging.getLogger("lightning_resilience.straggler").setLevel(logging.CRITICAL)  # verdict logs by the thousand
     real = {w: real_ddp(args, w) for w in args.workload}
     print_flush("[straggler] synthetic cross-check ...")
@@ -486,7 +491,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             f"({fmt_pct(o['hooks_fraction'])})",
         )
     )
-    machine["loadavg_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    finish_load(machine)
     return {
         "benchmark": "straggler_detection",
         "title": TITLE,

@@ -1,20 +1,23 @@
-"""The ways of checkpointing every step that the benchmark compares, on one plain training loop.
+"""The ways of checkpointing that the benchmark compares, on one plain training loop.
 
-A contender checkpoints right after each training step (``after_step``), may wait inside the next step (an optimizer
-pre-hook, registered by ``begin`` for its turn only) and drains its background work at the end of its turn
-(``end_turn``, billed to that turn). ``blocking`` accumulates what the training thread spent in the contender (the
-call after the step and the waits in the hook); the step-time figures come from the loop's own clock.
+A contender checkpoints right after each training step (``after_step``; ``disk=False`` on the steps that continue a
+turn while its background work finishes), may wait inside the next step (an optimizer pre-hook, registered by
+``begin`` for its turn only), says whether background work is still running (``busy``) and drains it at the end of
+its turn (``end_turn``). ``blocking`` accumulates what the training thread spent in the contender (the call after the
+step and the waits in the hook); the step-time figures come from the loop's own clock.
 
 * :class:`NoCheckpoint`: the baseline.
+* :class:`BareCopy`: the floor of a per-step snapshot: ``copy_`` of every tensor of the state into host buffers
+  allocated once (pinned, on a GPU), on the training thread, each step; nothing else.
 * :class:`Ours`: ``CheckpointManager`` with the default preset's tiers (``configs/resilience/checkpoint/local.yaml``:
-  RAM every step, keep 2; local disk every 10 steps, keep 3), the overlapped copy and the optimizer guard that
-  ``TieredCheckpoint`` installs.
+  RAM every step, keep 2; local disk every 10 steps, keep 3), or the RAM tier alone, with the overlapped copy and
+  the optimizer guard that ``TieredCheckpoint`` installs.
 * :class:`DcpBest`: PyTorch DCP at its best, as torchtitan's ``async_with_pinned_mem``: ``dcp.async_save`` with one
   reused ``DefaultStager(StagingOptions(use_pinned_memory, use_shared_memory, use_async_staging=True,
   use_non_blocking_copy))`` (pinned memory and non-blocking copies need a GPU; on a CPU they are off), the wait on
   ``staging_completion`` in an optimizer pre-hook, the wait on the previous ``upload_completion`` before the next
-  save; thread or process executor. Same cadence as ours: every step into RAM (a tmpfs directory), every 10 steps
-  to the local disk instead.
+  save; thread or process executor. At our cadence (every step into RAM, a tmpfs directory, and every 10 steps to
+  the local disk instead), or at its own best one: the local disk every 10 steps, nothing in between.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 
 from benchmarks._common import GPTWorkload
 
-__all__ = ["Contender", "DcpBest", "NoCheckpoint", "Ours", "optimizer_owned", "ram_dir"]
+__all__ = ["BareCopy", "Contender", "DcpBest", "NoCheckpoint", "Ours", "optimizer_owned", "ram_dir"]
 
 DISK_EVERY = 10
 """The local tier's cadence in the default preset (``local.yaml``)."""
@@ -70,8 +73,12 @@ class Contender:
     def begin(self) -> None:
         """Its turn starts: install its hooks."""
 
-    def after_step(self, step: int) -> None:
-        """Checkpoint ``step`` (runs right after the optimizer step)."""
+    def after_step(self, step: int, disk: bool = True) -> None:
+        """Checkpoint ``step`` (runs right after the optimizer step); ``disk=False``: no new disk save."""
+
+    def busy(self) -> bool:
+        """Background work of an earlier step is still running."""
+        return False
 
     def end_turn(self) -> None:
         """Its turn ends: wait for its background work (billed to the turn), then remove its hooks."""
@@ -91,21 +98,61 @@ class NoCheckpoint(Contender):
     name = "none"
 
 
-class Ours(Contender):
-    """``CheckpointManager([MemoryTier(1, keep=2), LocalTier(root, DISK_EVERY, keep=3)])`` with the overlapped copy."""
+class BareCopy(Contender):
+    """The floor: every tensor of the state copied into host buffers allocated once, each step, nothing else."""
 
-    name = "ours"
+    name = "floor"
 
-    def __init__(self, wl: GPTWorkload, root: Path, *, disk_every: int | None = DISK_EVERY) -> None:
-        from lightning_resilience.checkpoint import CheckpointManager, LocalTier, MemoryTier
+    def __init__(self, wl: GPTWorkload) -> None:
+        from lightning_resilience.checkpoint.tree import flatten_state
 
         super().__init__()
         self.wl = wl
-        tiers: list[Any] = [MemoryTier(every_n_steps=1, keep=2)]
+        self.flatten = flatten_state
+        tensors = flatten_state(wl.state()).tensors
+        pin = torch.cuda.is_available() and any(t.is_cuda for t in tensors.values())
+        self.buffers = {
+            n: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for n, t in tensors.items()
+        }
+        self.cuda = pin
+
+    def after_step(self, step: int, disk: bool = True) -> None:
+        t0 = pc()
+        for name, tensor in self.flatten(self.wl.state()).tensors.items():
+            self.buffers[name].copy_(tensor.detach(), non_blocking=self.cuda)
+        if self.cuda:  # the copy is on the training stream: the next step's kernels queue behind it
+            torch.cuda.current_stream().synchronize()
+        self.blocking += pc() - t0
+
+    def close(self) -> dict[str, Any]:
+        return {"host_bytes": sum(b.numel() * b.element_size() for b in self.buffers.values()), "pinned": self.cuda}
+
+
+class Ours(Contender):
+    """``CheckpointManager([MemoryTier(1, keep=2), LocalTier(root, DISK_EVERY, keep=3)])`` with the overlapped copy
+    (``disk_every=None``: the RAM tier alone; either cadence 0: the cost budget decides, ``config.overhead_budget``)."""
+
+    def __init__(
+        self,
+        wl: GPTWorkload,
+        root: Path,
+        *,
+        disk_every: int | None = DISK_EVERY,
+        ram_every: int = 1,
+        name: str = "ours",
+        config: Any = None,
+    ) -> None:
+        from lightning_resilience.checkpoint import CheckpointManager, LocalTier, MemoryTier
+
+        super().__init__()
+        self.name = name
+        self.wl = wl
+        tiers: list[Any] = [MemoryTier(every_n_steps=ram_every, keep=2)]
         if disk_every is not None:
             tiers.append(LocalTier(root, every_n_steps=disk_every, keep=3))
-        self.mgr = CheckpointManager(tiers)
+        self.mgr = CheckpointManager(tiers, config)
         self.mgr.setup()
+        self._disk_every = disk_every
 
     def _billed(self) -> float:
         return self.mgr.stats.capture_seconds  # on_step and the optimizer guard's waits
@@ -114,12 +161,17 @@ class Ours(Contender):
         self._hooks = [self.mgr.guard_optimizer(self.wl.opt)]
         self._mark = self._billed()
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int, disk: bool = True) -> None:
         # the predicate is rebuilt every step, as TieredCheckpoint does
         self.mgr.on_step(step, self.wl.state, overlap=optimizer_owned(self.wl))
         now = self._billed()
         self.blocking += now - self._mark
         self._mark = now
+
+    def busy(self) -> bool:
+        from datetime import timedelta
+
+        return not self.mgr.wait(timedelta(microseconds=1))  # a zero timeout would mean the default one
 
     def end_turn(self) -> None:
         self.mgr.wait_snapshot()
@@ -137,6 +189,7 @@ class Ours(Contender):
             "local_writes": local.writes if local else 0,
             "local_deferred": local.deferred if local else 0,
             "local_write_mean_s": local.seconds / local.writes if local and local.writes else None,
+            "cadence": self.mgr.cadence.report() if self.mgr.cadence.budgeted else None,
         }
         self.mgr.close()
         return out
@@ -146,14 +199,23 @@ class DcpBest(Contender):
     """``dcp.async_save`` as torchtitan's ``async_with_pinned_mem`` does it (see the module docstring)."""
 
     def __init__(
-        self, wl: GPTWorkload, ram_root: Path, disk_root: Path, *, process: bool, disk_every: int = DISK_EVERY
+        self,
+        wl: GPTWorkload,
+        ram_root: Path,
+        disk_root: Path,
+        *,
+        process: bool,
+        disk_every: int = DISK_EVERY,
+        every_step: bool = True,
     ) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         super().__init__()
-        self.name = "dcp_best_process" if process else "dcp_best_thread"
+        cadence = "best" if every_step else "own"
+        self.name = f"dcp_{cadence}_{'process' if process else 'thread'}"
+        self.every_step = every_step
         self.dcp = dcp
         self.wl = wl
         self.roots = {"ram": ram_root, "disk": disk_root}
@@ -179,12 +241,17 @@ class DcpBest(Contender):
     def begin(self) -> None:
         self._hooks = [self.wl.opt.register_step_pre_hook(self._wait_staging)]
 
-    def after_step(self, step: int) -> None:
+    def busy(self) -> bool:
+        return self.upload is not None and not self.upload.done()
+
+    def after_step(self, step: int, disk: bool = True) -> None:
+        where = "disk" if disk and step % self.disk_every == 0 else "ram"
+        if where == "ram" and not self.every_step:
+            return  # its own cadence: the disk only
         t0 = pc()
         if self.upload is not None:  # one save in flight at a time (torchtitan waits the same way)
             self.upload.result()
             self.upload = None
-        where = "disk" if step % self.disk_every == 0 else "ram"
         path = self.roots[where] / f"step_{step:07d}"
         resp = self.dcp.async_save(
             self.wl.state(), checkpoint_id=path, async_stager=self.stager, async_checkpointer_type=self.kind

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from benchmarks._checkpoint.contenders import DISK_EVERY, Contender, DcpBest, Ours
-from benchmarks._common import GPTWorkload, StepClock, evict_page_cache, print_flush, summarize
+from benchmarks._common import GPTWorkload, StepClock, evict_page_cache, print_flush, summarize, tail_key
 
-__all__ = ["run_lightning", "run_restore", "run_rotation", "slowdown"]
+__all__ = ["LIGHTNING_KINDS", "run_lightning", "run_restore", "run_rotation", "slowdown"]
 
 pc = time.perf_counter
 
@@ -28,39 +28,57 @@ pc = time.perf_counter
 def run_rotation(
     wl: GPTWorkload, contenders: list[Contender], *, warmup: int, turn: int, rounds: int, device: str = "cpu"
 ) -> dict[str, dict[str, list[float]]]:
-    """Each contender trains ``turn`` consecutive steps in turn, ``rounds`` times (order reversed every other round).
+    """Each contender trains ``turn`` consecutive steps in turn, ``rounds`` times (order reversed every other round),
+    after an untimed warm-up turn of ``warmup`` steps each.
 
-    Per step: the time from its start to the next step's start (so a wait inside the next step, or the drain at the
-    end of a turn, lands on a step of the contender that caused it), and what the contender blocked the training
-    thread. Step numbers per contender start at a multiple of :data:`DISK_EVERY`, so each turn of ``DISK_EVERY``
-    steps holds one disk save at its start.
+    A turn's step numbers start at a multiple of :data:`DISK_EVERY`, so its disk save comes on the turn's first step.
+    A step's time runs from its start to the next step's start (a wait inside the next step lands on the step of the
+    contender that caused it). When background work (a disk write) is still running after the turn's last step, the
+    contender trains on, recorded, without a new disk save (as a training loop would while the write finishes), for
+    at most another ``turn`` steps; what is still left then is drained, timed apart (``drain_s``) and never folded
+    into a step.
     """
     clock = StepClock(device)
-    rec = {c.name: {"step_s": [], "blocking_s": [], "turn_s": []} for c in contenders}
+    keys = ("step_s", "blocking_s", "turn_s", "drain_s", "tail_steps")
+    rec: dict[str, dict[str, list[float]]] = {c.name: {k: [] for k in keys} for c in contenders}
     steps = dict.fromkeys(rec, DISK_EVERY * 1000)
 
     def one_turn(c: Contender, n: int, record: bool) -> None:
+        steps[c.name] = -(-steps[c.name] // DISK_EVERY) * DISK_EVERY  # the disk save on the turn's first step
         c.begin()
         c.take_blocking()
         blocked: list[float] = []
         clock.mark()
         start = pc()
-        for _ in range(n):
+
+        def step(disk: bool) -> None:
             wl.step()
-            c.after_step(steps[c.name])
+            if not disk and steps[c.name] % DISK_EVERY == 0:
+                steps[c.name] += 1
+            c.after_step(steps[c.name], disk)
             steps[c.name] += 1
             blocked.append(c.take_blocking())
             clock.mark()
-        c.end_turn()  # the drain: billed to the turn's last step
-        clock.mark()
-        blocked[-1] += c.take_blocking()
+
+        for _ in range(n):
+            step(True)
+        tail = 0
+        while tail < n and c.busy():
+            step(False)
+            tail += 1
         times = clock.intervals()
-        times[-2] += times.pop()
+        trained = pc() - start
+        t0 = pc()
+        c.end_turn()
+        drain = pc() - t0
+        blocked[-1] += c.take_blocking()
         if record:
             r = rec[c.name]
             r["step_s"] += times
             r["blocking_s"] += blocked
-            r["turn_s"].append(pc() - start)
+            r["turn_s"].append(trained)
+            r["drain_s"].append(drain)
+            r["tail_steps"].append(tail)
         gc.collect()
 
     for c in contenders:
@@ -72,45 +90,85 @@ def run_rotation(
 
 
 def slowdown(rec: dict[str, dict[str, list[float]]], name: str, base: str = "none") -> dict[str, Any]:
-    """Step-time slowdown of ``name`` against ``base``: of the means, medians and p99s, and per round (the spread
-    the machine's drift leaves)."""
+    """Step-time slowdown of ``name`` against ``base``: of the means, medians and tails (p99 from 100 samples up,
+    else the maximum), the mean with the drains counted, and per round (the spread the machine's drift leaves)."""
     mine, ref = summarize(rec[name]["step_s"]), summarize(rec[base]["step_s"])
-    turns = [a / b - 1.0 for a, b in zip(rec[name]["turn_s"], rec[base]["turn_s"])]
+    turns = [
+        (a / x) / (b / y) - 1.0
+        for a, x, b, y in zip(rec[name]["turn_s"], _steps_per_turn(rec, name), rec[base]["turn_s"],
+                              _steps_per_turn(rec, base))
+    ]  # fmt: skip
 
     def rel(key: str) -> float | None:
         return mine[key] / ref[key] - 1.0 if mine[key] and ref[key] else None
 
-    return {"mean": rel("mean_s"), "median": rel("median_s"), "p99": rel("p99_s"), "per_turn": turns}
+    drained = (sum(rec[name]["step_s"]) + sum(rec[name]["drain_s"])) / max(len(rec[name]["step_s"]), 1)
+    return {
+        "mean": rel("mean_s"),
+        "median": rel("median_s"),
+        "p99": rel(tail_key(mine)),
+        "tail": tail_key(mine).removesuffix("_s"),
+        "mean_with_drain": drained / ref["mean_s"] - 1.0 if ref["mean_s"] else None,
+        "per_turn": turns,
+    }
+
+
+def _steps_per_turn(rec: dict[str, dict[str, list[float]]], name: str) -> list[int]:
+    turns = len(rec[name]["turn_s"])
+    per = int(len(rec[name]["step_s"]) - sum(rec[name]["tail_steps"])) // turns if turns else 0
+    return [per + int(t) for t in rec[name]["tail_steps"]]
 
 
 # --------------------------------------------------------------------------------------------- Lightning runs
 _STEP_RE = re.compile(r"step=(\d+)")
 
 
+LIGHTNING_KINDS = {
+    "none": "no checkpointing",
+    "tiered": "TieredCheckpoint, the default preset: RAM every step + local disk every 10",
+    "tiered_budget": "TieredCheckpoint, the budget preset: both cadences chosen by the 2% overhead budget",
+    "modelcheckpoint_same": "ModelCheckpoint every step to tmpfs (RAM) + ModelCheckpoint every 10 to the local disk, "
+    "AsyncCheckpointIO: our cadence",
+    "modelcheckpoint_best": "ModelCheckpoint every 10 steps to the local disk, AsyncCheckpointIO: its own best cadence",
+}
+"""The Trainer runs the benchmark compares, and what each checkpoints."""
+
+
 def run_lightning(
-    kind: str, model_kwargs: dict[str, Any], batch_size: int, root: Path, steps: int, warmup: int, threads: int
+    kind: str,
+    model_kwargs: dict[str, Any],
+    batch_size: int,
+    root: Path,
+    steps: int,
+    warmup: int,
+    threads: int,
+    ram_root: Path | None = None,
 ) -> dict[str, Any]:
-    """One Trainer run. ``tiered``: ``TieredCheckpoint`` with the default preset's tiers; ``modelcheckpoint_async``:
-    ``ModelCheckpoint(every_n_train_steps=1)`` + ``AsyncCheckpointIO``; ``none``: no checkpointing. The mean step
-    time runs from the first measured step to the end of ``fit`` (the drain of background saves after the last step
-    included); per-step intervals (batch start to batch start) give the median and p99."""
+    """One Trainer run of ``kind`` (:data:`LIGHTNING_KINDS`). The mean step time runs from the first measured step
+    to the end of ``fit`` (the drain of background saves after the last step included); per-step intervals (batch
+    start to batch start) give the median and the tail. ``ram_root``: a tmpfs directory for the per-step saves."""
     from lightning.pytorch import Callback, Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
     from lightning_resilience.checkpoint import LocalTier, MemoryTier
+    from lightning_resilience.checkpoint.tier import BUDGET
     from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
     from recipes._data import SyntheticTokenDataModule
     from recipes._gpt import TinyGPT
 
     ckpt_dir = root / "ckpt"
+    ram_dir = (ram_root or root) / "ram"
     callbacks: list[Any] = []
     plugins: list[Any] = []
-    if kind == "tiered":
-        tiers = [MemoryTier(every_n_steps=1, keep=2), LocalTier(ckpt_dir, every_n_steps=DISK_EVERY, keep=3)]
+    if kind in ("tiered", "tiered_budget"):
+        every = (1, DISK_EVERY) if kind == "tiered" else (BUDGET, BUDGET)
+        tiers = [MemoryTier(every_n_steps=every[0], keep=2), LocalTier(ckpt_dir, every_n_steps=every[1], keep=3)]
         callbacks.append(TieredCheckpoint(tiers=tiers, resume="never"))
-    elif kind == "modelcheckpoint_async":
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1))
+    elif kind in ("modelcheckpoint_same", "modelcheckpoint_best"):
+        if kind == "modelcheckpoint_same":
+            callbacks.append(ModelCheckpoint(dirpath=ram_dir, every_n_train_steps=1, save_top_k=-1))
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=DISK_EVERY, save_top_k=-1))
         plugins.append(AsyncCheckpointIO())
     elif kind != "none":
         raise ValueError(kind)
@@ -125,11 +183,9 @@ def run_lightning(
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             t0 = pc()
-            # keep the disk bounded (save_top_k=-1 keeps all): drop all but the two newest files, untimed
-            if kind == "modelcheckpoint_async" and ckpt_dir.is_dir():
-                files = sorted(
-                    ckpt_dir.glob("*.ckpt"), key=lambda p: int(m[1]) if (m := _STEP_RE.search(p.name)) else -1
-                )
+            # keep the directories bounded (save_top_k=-1 keeps all): drop all but the two newest files, untimed
+            for where in (ckpt_dir, ram_dir) if kind.startswith("modelcheckpoint") else ():
+                files = sorted(where.glob("*.ckpt"), key=lambda p: int(m[1]) if (m := _STEP_RE.search(p.name)) else -1)
                 for old in files[:-2]:
                     with contextlib.suppress(FileNotFoundError):
                         old.unlink()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-from lightning_resilience._configurable import ConfigError, StrEnum, as_enum
+from lightning_resilience._configurable import ConfigError, StrEnum, as_enum, check_finite
 
 __all__ = ["ON_PERSIST_ERROR", "CheckpointConfig", "IfNoneValid"]
 
@@ -58,6 +58,16 @@ class CheckpointConfig:
     """Longest wait for the in-flight persist at teardown."""
     snapshot_timeout_s: float = 60.0
     """Longest wait for a free host buffer (only reached with max_host_copies set too low)."""
+    overhead_budget: float = 0.02
+    """What checkpointing may block the training step, as a fraction of the step time: a tier whose
+    ``every_n_steps`` is 0 gets the cadence this allows, chosen from the costs measured on this run (RAM: every step
+    when it fits, else every k steps; persistent tiers: Daly's interval from their cost and the MTBF). A tier with a
+    cadence of its own keeps it."""
+    mtbf_prior_s: float = 8 * 3600.0
+    """The job's mean time between failures assumed until the run's own history (the fault-tolerance ledger) says
+    more; it counts as one failure in this much training."""
+    cadence_review_steps: int = 100
+    """Steps between two choices of the budgeted cadences (one small all-reduce each)."""
     collective_timeout_s: float = 300.0
     """Longest wait for the other ranks at one agreement (persist or defer, which steps to keep, which step to
     restore); a rank that does not come in time is a CollectiveError on every rank, not a hang."""
@@ -74,6 +84,11 @@ class CheckpointConfig:
             )
         if self.max_host_copies != 0 and self.max_host_copies < 2:
             raise ConfigError("checkpoint", "max_host_copies", f"must be 0 (auto) or >= 2, got {self.max_host_copies}")
+        if not (isinstance(self.overhead_budget, int | float) and 0 < self.overhead_budget < 1):
+            raise ConfigError("checkpoint", "overhead_budget", f"must be in (0, 1), got {self.overhead_budget!r}")
+        check_finite("checkpoint", "mtbf_prior_s", self.mtbf_prior_s)
+        if self.cadence_review_steps < 1:
+            raise ConfigError("checkpoint", "cadence_review_steps", f"must be >= 1, got {self.cadence_review_steps}")
         for key in ("drain_timeout_s", "snapshot_timeout_s", "emergency_timeout_s", "collective_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError("checkpoint", key, f"must be > 0, got {getattr(self, key)}")

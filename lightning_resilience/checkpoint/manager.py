@@ -1,11 +1,10 @@
 """CheckpointManager: snapshots every step, persists to slower tiers in the background, restores collectively.
 
-Framework-free: the caller hands it a step number and a function that returns the state to capture. Decisions
-that change what is on disk or which step is restored are made by all ranks together on the manager's side group
-(:class:`~lightning_resilience.collective.SideGroup`, bounded by ``checkpoint.collective_timeout_s``), and every
-rank reaches each of them on every path. This module captures and persists; restoring is
-:mod:`~lightning_resilience.checkpoint.restore`, retention :mod:`~lightning_resilience.checkpoint.retention`, the
-save before the process goes :mod:`~lightning_resilience.checkpoint.emergency`.
+Framework-free: the caller hands it a step number and a function that returns the state to capture. Decisions that
+change what is on disk or which step is restored are made by all ranks together (the step's agreement, or the side
+group bounded by ``checkpoint.collective_timeout_s``), reached by every rank on every path. This module captures and
+persists; restoring is :mod:`.restore`, retention :mod:`.retention`, the save before the process goes
+:mod:`.emergency`.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from typing import Any, cast
 import torch
 
 from lightning_resilience.checkpoint._legacy import conform
+from lightning_resilience.checkpoint.cadence import CadenceController
 from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.emergency import EmergencySave
 from lightning_resilience.checkpoint.errors import CheckpointWorkerError
@@ -74,6 +74,9 @@ class CheckpointManager:
         self._group = SideGroup("checkpoint", self.config.collective_timeout, local=True)  # peers come with setup
         self.identity = TierIdentity()
         self.stats = CheckpointStats(tiers={t.name: TierStats() for t in self.tiers})
+        mean_write = lambda name: self.stats.tiers[name].mean_write_seconds  # noqa: E731
+        # when each tier is due: as set, or chosen by the cost budget (``every_n_steps=0``)
+        self.cadence = CadenceController.of(self.tiers, self.config, write_seconds=mean_write, clock=clock)
         self._meta_providers: list[Callable[[int], dict[str, Any]]] = []
         self._commit_listeners: list[Callable[[str, int], None]] = []
         self._warned: set[str] = set()
@@ -100,6 +103,7 @@ class CheckpointManager:
         self._group = side or SideGroup("checkpoint", self.config.collective_timeout, parent=group)
         self.identity = TierIdentity(self._group.rank, self._group.world_size)
         self.agreement.bind(self._group)
+        self.cadence.bind(self._group.reduce_max_each, self._group.rank)
         for tier in self.tiers:
             tier.bind(self.identity)
 
@@ -177,21 +181,19 @@ class CheckpointManager:
         """Snapshot ``state()`` if any tier wants ``step``; start a background persist if one is due.
 
         Whether a persist starts is agreed: by the view of the step's agreement when a step driver carries it
-        (:attr:`agreement`; nothing waits here), else by one small all-reduce now. Only the host copy blocks the
-        caller. Tensors for which
-        ``overlap`` is true are copied in the background instead: they must stay unchanged until
-        :meth:`wait_snapshot` returns (see :meth:`guard_optimizer`, which calls it before every optimizer step).
-        Returns True when a snapshot was taken.
+        (:attr:`agreement`), else by one small all-reduce now. Only the host copy blocks the caller; tensors for which
+        ``overlap`` is true are copied in the background and must stay unchanged until :meth:`wait_snapshot` returns
+        (:meth:`guard_optimizer` calls it before every optimizer step). Returns True when a snapshot was taken.
 
         Raises:
-            CollectiveError: a rank did not come to the persist agreement within ``checkpoint.collective_timeout_s``.
-            CheckpointWorkerError: a persist failed on some rank (an unexpected error, or an I/O error with
-                ``checkpoint.on_persist_error=raise``): raised on every rank at the next persist agreement.
+            CollectiveError: a rank did not come to an agreement within ``checkpoint.collective_timeout_s``.
+            CheckpointWorkerError: a persist failed on some rank: raised on every rank at the next agreement.
         """
         self._hold_failure(self.collect)
-        memory_due = [t for t in self._memory if step % t.every_n_steps == 0]
+        self.cadence.begin(step)  # at a review step: one small agreement on the budgeted cadences
+        memory_due = [t for t in self._memory if self.cadence.due(t, step)]
         persist_due = list(
-            dict.fromkeys([*self._deferred, *(t for t in self._persistent if step % t.every_n_steps == 0)])
+            dict.fromkeys([*self._deferred, *(t for t in self._persistent if self.cadence.due(t, step))])
         )
         if not memory_due and not persist_due:
             return False
@@ -230,6 +232,7 @@ class CheckpointManager:
         self.stats.capture_seconds += elapsed
         self.stats.last_capture_seconds = elapsed
         self.stats.capture_seconds_max = max(self.stats.capture_seconds_max, elapsed)
+        self.cadence.end(elapsed, snapshot=bool(memory_due), persist=bool(persist_due))
         return bool(memory_due or persist_now)
 
     def flush(self, step: int, state: Callable[[], Any], meta: dict[str, Any] | None = None) -> None:
@@ -312,6 +315,7 @@ class CheckpointManager:
         waited = self._clock() - start
         self.stats.capture_seconds += waited
         self.stats.wait_seconds += waited
+        self.cadence.blocked(waited)
 
     def guard_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
         """Make ``optimizer.step`` come after an in-flight snapshot copy of the tensors it is about to change.

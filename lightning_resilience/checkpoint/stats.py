@@ -27,6 +27,10 @@ class TierStats:
         self.seconds += seconds
         self.last_step = step
 
+    @property
+    def mean_write_seconds(self) -> float | None:
+        return self.seconds / self.writes if self.writes else None
+
     def record_failure(self, err: BaseException) -> str:
         self.failures += 1
         self.last_error = f"{type(err).__name__}: {err}"

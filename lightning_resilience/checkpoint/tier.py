@@ -20,6 +20,7 @@ from lightning_resilience.checkpoint.snapshot import HostSnapshot, StagedSnapsho
 from lightning_resilience.collective import Deadline
 
 __all__ = [
+    "BUDGET",
     "CollectiveTier",
     "Durability",
     "RamTier",
@@ -29,6 +30,11 @@ __all__ = [
     "check_cadence",
     "restore_order",
 ]
+
+
+BUDGET = 0
+"""A tier's ``every_n_steps`` left to the cost budget (``checkpoint.overhead_budget``): the engine chooses the cadence
+from what checkpointing costs on this run (:mod:`~lightning_resilience.checkpoint.cadence`)."""
 
 
 class Durability(StrEnum):
@@ -75,7 +81,8 @@ class Tier(Protocol):
 
     Attributes:
         name: short unique label used in logs, metrics and the report (``memory``, ``local``, ``s3``...).
-        every_n_steps: how often a snapshot is sent to this tier.
+        every_n_steps: how often a snapshot is sent to this tier; :data:`BUDGET` (0): as often as the cost budget
+            allows (the manager's cadence controller decides).
         keep: how many committed steps this tier retains.
         durability: what a copy survives.
         collective: True when :meth:`write` exchanges with peers: every rank must call it for the same step,
@@ -161,7 +168,9 @@ def restore_order(tiers: list[Tier]) -> list[Tier]:
 
 def check_cadence(owner: str, every_n_steps: int, keep: int) -> None:
     """A tier's cadence and retention, checked by its config (``owner`` is ``tiers.<name>``)."""
-    if every_n_steps < 1:
-        raise ConfigError(owner, "every_n_steps", f"must be >= 1, got {every_n_steps}")
+    if every_n_steps < 0:
+        raise ConfigError(
+            owner, "every_n_steps", f"must be >= 1, or {BUDGET} (the cost budget decides), got {every_n_steps}"
+        )
     if keep < 1:
         raise ConfigError(owner, "keep", f"must be >= 1, got {keep}")

@@ -9,7 +9,7 @@ this package only imports them.
 :func:`build` turns a composed node (``cfg.resilience``) into objects with :func:`hydra.utils.instantiate`, node by
 node, so that a bad value fails with a message that names the full key::
 
-    resilience.checkpoint.tiers[1].every_n_steps must be >= 1, got 0
+    resilience.checkpoint.tiers[1].keep must be >= 1, got 0
 
 A node whose ``_target_`` names one of our config dataclasses (every schema carries one) or that is typed by one
 is type-checked against it (type errors name the key too) and then constructed, which runs its own validation; a

@@ -9,7 +9,8 @@ boundaries; every write is atomic, so the file a restart reads is always whole. 
   stuck time) is reported separately as **detection**;
 * **recomputation**: steps redone after a resume (last step reached minus the step resumed from), and steps undone
   by in-process rollbacks, x the step time;
-* **checkpoint blocking**: what the checkpoint engine reports as blocking the training loop;
+* **checkpoint blocking**: what the checkpoint engine reports as blocking the training loop (and, per attempt, the
+  cadences its cost budget chose, and why);
 * **ETTR** = productive time / wall time, productive = training - recomputation - checkpoint blocking.
 """
 
@@ -19,7 +20,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 from lightning_resilience.ft.restart import FaultNote, atomic_write_json, read_fault_notes
 from lightning_resilience.rundir import RunDir
 
-__all__ = ["AttemptRecord", "EttrLedger", "EttrReport"]
+__all__ = ["FAULT_ENDS", "AttemptRecord", "EttrLedger", "EttrReport", "failure_history"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,9 @@ class AttemptRecord:
     """[wall-clock seconds, step, tier] when a persistent tier committed a newer step (first seen at a heartbeat)."""
     rolled_back_steps: int = 0
     """Steps undone by in-process rollbacks in this attempt (trained, then trained again)."""
+    cadences: list[list[Any]] = field(default_factory=list)
+    """[wall-clock seconds, step, tier, every_n_steps, why] each time the checkpoint engine chose a tier's cadence
+    from its cost budget."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> AttemptRecord:
@@ -200,11 +204,14 @@ class EttrLedger:
         *,
         checkpoint_blocking_s: float | None = None,
         persisted: Mapping[str, int | None] | None = None,
+        cadences: Sequence[tuple[int, str, int, str]] = (),
         force: bool = False,
     ) -> bool:
         """Move the heartbeat to the end of ``step``; written at most every ``interval_s`` unless ``force``.
 
         ``persisted``: the newest step each persistent tier has committed; a newer one is recorded as a persist.
+        ``cadences``: the cadences the checkpoint engine chose so far in this attempt, as (step, tier, every_n_steps,
+        why); a new one is recorded (and written at once).
         """
         record = self._require()
         now = self._wall_clock()
@@ -221,6 +228,11 @@ class EttrLedger:
             fresh = committed is not None and committed > (record.start_step if record.start_step is not None else -1)
             if fresh and committed is not None and (newest is None or committed > newest):
                 _append_point(record.persists, [now, int(committed), tier])
+        seen = {(int(c[1]), str(c[2]), int(c[3])) for c in record.cadences}
+        for at, tier, every, why in cadences:
+            if (at, tier, every) not in seen:
+                record.cadences.append([now, at, tier, every, why])
+                force = True
         if force or now - self._last_write >= self.interval_s:
             _append_point(record.progress, [record.last_heartbeat_at, step])
             self.save()
@@ -267,6 +279,19 @@ def _reason(faults: list[dict[str, Any]]) -> str:
         return "lost"
     first = min(faults, key=lambda f: f.get("detected_at", 0.0))
     return {"preemption": "preempted"}.get(first["kind"], first["kind"])
+
+
+FAULT_ENDS = ("exception", "hang", "lost", "sdc", "straggler")
+"""How an attempt that ended in a fault ended (its ``end_reason``)."""
+
+
+def failure_history(attempts: list[AttemptRecord]) -> tuple[float, int]:
+    """Wall-clock seconds of the run so far and the attempts among them that ended in a fault (the checkpoint cadence
+    estimates the job's mean time between failures from these)."""
+    if not attempts:
+        return 0.0, 0
+    failures = sum(a.end_reason in FAULT_ENDS for a in attempts[:-1])
+    return account(attempts).wall_s, failures
 
 
 def account(attempts: list[AttemptRecord]) -> EttrReport:

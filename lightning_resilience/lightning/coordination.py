@@ -99,6 +99,7 @@ class Suite:
         self._last_end: int | None = None
         self.batch_idx = 0
         self._record_dir: Path | None = None
+        self._failure_history: Callable[[], tuple[float, int] | None] | None = None
         self._trainer: weakref.ref[Trainer] | None = None
         """The index of the batch the current step boundary follows (snapshot metadata)."""
         self._fit_over = False
@@ -189,6 +190,15 @@ class Suite:
         self.channels()
         assert self.driver is not None
         return self.driver
+
+    def provide_failure_history(self, provider: Callable[[], tuple[float, int] | None]) -> None:
+        """The fault-tolerance member gives the run's failure history (from its ledger on global rank 0)."""
+        self._failure_history = provider
+
+    def failure_history(self) -> tuple[float, int] | None:
+        """The run's wall-clock seconds so far and the attempts that ended in a fault (global rank 0; None elsewhere,
+        or without fault tolerance)."""
+        return self._failure_history() if self._failure_history is not None else None
 
     # ------------------------------------------------------------------ posting
     def post(

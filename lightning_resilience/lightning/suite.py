@@ -279,7 +279,7 @@ def describe(cb: Callback) -> str:
     from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
 
     if isinstance(cb, TieredCheckpoint):
-        tiers = ", ".join(f"{t.name} every {t.every_n_steps}" for t in cb.tiers)
+        tiers = ", ".join(f"{t.name} every {t.every_n_steps or 'budget'}" for t in cb.tiers)
         return f"TieredCheckpoint({tiers}; resume {cb.config.resume})"
     return type(cb).__name__
 

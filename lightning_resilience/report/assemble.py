@@ -13,13 +13,13 @@ from typing import Any
 
 from lightning_resilience.checkpoint.manager import CheckpointStats
 from lightning_resilience.checkpoint.tier import Durability, Tier
+from lightning_resilience.ft.ettr import FAULT_ENDS
 from lightning_resilience.report.model import ResilienceReport, finite
 
 __all__ = ["assemble", "checkpoint_section", "thin"]
 
 _SERIES_CAP = 5000  # points of a per-step series kept in the JSON (evenly thinned beyond that)
 _IN_JOB_LAUNCHERS = ("torchrun", "ft_launcher")
-_FAULT_ENDS = ("exception", "hang", "lost", "sdc", "straggler")
 _SIM_TIER_KEYS = ("every_n_steps", "blocking_seconds", "write_seconds", "restore_seconds", "durability", "keep")
 
 
@@ -29,13 +29,16 @@ def checkpoint_section(
     *,
     restores: int = 0,
     blocking_timeline: Sequence[tuple[int, float]] = (),
+    cadence: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``checkpoint`` section from the engine's counters and its tiers.
 
     A snapshot blocks training once, whichever tiers it feeds. Its cost is charged to the tiers whose cadence
     triggers snapshots: the RAM tiers when there are any (persistent tiers then copy in the background), otherwise
-    every persistent tier.
+    every persistent tier. ``cadence``: the engine's cadence report (``CadenceController.report``); a tier's
+    ``every_n_steps`` is then the cadence it followed last, and the section says why under ``cadence``.
     """
+    chosen = (cadence or {}).get("tiers", {})
     ram = {t.name for t in tiers if t.durability is Durability.process}
     triggers = ram or {t.name for t in tiers}
     out_tiers: dict[str, Any] = {}
@@ -44,7 +47,7 @@ def checkpoint_section(
         if t is None:
             continue
         out_tiers[tier.name] = {
-            "every_n_steps": tier.every_n_steps,
+            "every_n_steps": (chosen.get(tier.name) or {}).get("every_n_steps") or tier.every_n_steps or None,
             "keep": tier.keep,
             "durability": str(tier.durability),
             "kind": type(tier).__name__,
@@ -74,6 +77,7 @@ def checkpoint_section(
         "skipped_corrupt": list(stats.skipped_corrupt),
         "tiers": out_tiers,
         "blocking_timeline": [[int(s), float(v)] for s, v in thin(list(blocking_timeline), _SERIES_CAP)],
+        **({"cadence": dict(cadence)} if cadence else {}),
     }
 
 
@@ -126,7 +130,7 @@ def _ledger_figures(report: ResilienceReport, attempts: list[Any], ettr: Mapping
     hangs: list[float] = []
     faults = 0
     for i, prev in enumerate(attempts):
-        if prev.get("end_reason") in _FAULT_ENDS:
+        if prev.get("end_reason") in FAULT_ENDS:
             faults += 1
         for fault in prev.get("faults") or []:
             if fault.get("kind") == "hang" and finite(fault.get("detection_s")) is not None:

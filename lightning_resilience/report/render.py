@@ -177,6 +177,10 @@ def _checkpoint_tables(ckpt: Mapping[str, Any]) -> list[RenderableType]:
         rows.append(("restored", f"step {ckpt['restored_step']} from {source!r} in {seconds}"))
     for msg in ckpt.get("skipped_corrupt") or []:
         rows.append(("skipped", msg))
+    cadence = ckpt.get("cadence") or {}
+    for name, t in (cadence.get("tiers") or {}).items():
+        if t.get("set_by") != "config":  # why the budget chose this cadence
+            rows.append((f"cadence of {name}", f"every {t.get('every_n_steps')}: {t.get('reason')}"))
     return [table, _kv_table("Checkpoint engine", rows)]
 
 

@@ -376,9 +376,9 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         f"step {cfg.job.step_s:g} s, horizon {cfg.job.horizon_s / 86400:g} days",
         "tiers: "
         + "; ".join(
-            f"{t.name} every {t.interval_steps(cfg.job.step_s)} steps ({t.durability}, block {t.blocking_s:g} s, "
+            f"{t.name} every {cadence.every_n_steps} steps ({t.durability}, block {t.blocking_s:g} s, "
             f"write {t.write_s:g} s, restore {t.restore_s:g} s)"
-            for t in cfg.tiers
+            for t, cadence in zip(cfg.tiers, cfg.cadences())
         ),
         "",
         breakdown_table(first),

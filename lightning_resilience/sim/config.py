@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from lightning_resilience._configurable import as_enum
+from lightning_resilience.checkpoint.cadence import BUDGET, Cadence, TierCosts, plan_cadences
 from lightning_resilience.checkpoint.tier import Durability
 
 __all__ = [
@@ -170,7 +171,8 @@ class SimTierConfig:
     name: str
     """Label in the report."""
     every_n_steps: int | None = None
-    """Cadence in optimizer steps (set this or ``every_s``)."""
+    """Cadence in optimizer steps (set this or ``every_s``); 0: the cost budget decides (``overhead_budget``), by
+    the checkpoint engine's own cadence function."""
     every_s: float | None = None
     """Cadence in seconds of training, rounded to whole steps (set this or ``every_n_steps``)."""
     blocking_s: float = 0.0
@@ -189,8 +191,10 @@ class SimTierConfig:
         key = f"tiers.{self.name}"
         if (self.every_n_steps is None) == (self.every_s is None):
             raise ValueError(f"{key}: set exactly one of every_n_steps and every_s")
-        if self.every_n_steps is not None and (not isinstance(self.every_n_steps, int) or self.every_n_steps < 1):
-            raise ValueError(f"{key}.every_n_steps must be an integer >= 1, got {self.every_n_steps!r}")
+        if self.every_n_steps is not None and (not isinstance(self.every_n_steps, int) or self.every_n_steps < 0):
+            raise ValueError(
+                f"{key}.every_n_steps must be an integer >= 1, or 0 (the budget), got {self.every_n_steps!r}"
+            )
         if self.every_s is not None:
             _positive(f"{key}.every_s", self.every_s)
         _non_negative(f"{key}.blocking_s", self.blocking_s)
@@ -200,8 +204,15 @@ class SimTierConfig:
         if not isinstance(self.keep, int) or self.keep < 1:
             raise ValueError(f"{key}.keep must be an integer >= 1, got {self.keep!r}")
 
+    @property
+    def budgeted(self) -> bool:
+        """The cost budget decides this tier's cadence (:meth:`SimConfig.cadences`)."""
+        return self.every_n_steps == BUDGET
+
     def interval_steps(self, step_s: float) -> int:
-        """The cadence in whole steps (at least 1)."""
+        """The cadence in whole steps (at least 1) of a tier whose cadence is set."""
+        if self.budgeted:
+            raise ValueError(f"tiers.{self.name}: the budget decides its cadence: see SimConfig.cadences()")
         if self.every_n_steps is not None:
             return self.every_n_steps
         assert self.every_s is not None
@@ -276,8 +287,30 @@ class SimConfig:
     """Restart path costs."""
     job: JobConfig = field(default_factory=JobConfig)
     """Step time, horizon and seed."""
+    overhead_budget: float = 0.02
+    """Blocking per step the budgeted tiers (``every_n_steps=0``) may cost, a fraction of the step time."""
 
     def __post_init__(self) -> None:
         names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tiers must have distinct names, got {names}")
+        if not (isinstance(self.overhead_budget, int | float) and 0 < self.overhead_budget < 1):
+            raise ValueError(f"overhead_budget must be in (0, 1), got {self.overhead_budget!r}")
+
+    def cadences(self) -> list[Cadence]:
+        """Every tier's cadence in steps, in order: as set, or chosen as the checkpoint engine chooses it
+        (:func:`~lightning_resilience.checkpoint.cadence.plan_cadences`) from the tier's blocking and write costs,
+        the step time and the job's MTTF at this scale."""
+        step_s = self.job.step_s
+        costs = [
+            TierCosts(
+                t.name,
+                t.durability is not Durability.process,
+                t.blocking_s,
+                t.write_s,
+                BUDGET if t.budgeted else t.interval_steps(step_s),
+            )
+            for t in self.tiers
+        ]
+        mtbf_s = self.failures.job_mttf_s(self.cluster.gpus)
+        return plan_cadences(costs, step_s=step_s, budget=self.overhead_budget, mtbf_s=mtbf_s)

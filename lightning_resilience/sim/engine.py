@@ -77,8 +77,8 @@ class _Engine:
         self.target = cfg.job.target_steps
         self.nodes = cfg.cluster.nodes
         self.tiers: list[_Tier] = []
-        for t in cfg.tiers:
-            k = t.interval_steps(self.tau)
+        for t, cadence in zip(cfg.tiers, cfg.cadences()):
+            k = cadence.every_n_steps
             if t.write_s > k * self.tau:  # a write still in flight defers the next checkpoint of the tier
                 k *= math.ceil(t.write_s / (k * self.tau))
             self.tiers.append(_Tier(t.name, k, t.blocking_s, t.write_s, t.restore_s, t.durability, t.keep))

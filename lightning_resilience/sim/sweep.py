@@ -74,7 +74,7 @@ def sweep(
         for interval in intervals_s if intervals_s else [None]:
             point = scaled if interval is None else with_interval(scaled, interval, scaled.tiers[idx].name)
             mc = _run(point, replications)
-            step = point.tiers[idx].interval_steps(point.job.step_s) * point.job.step_s
+            step = point.cadences()[idx].every_n_steps * point.job.step_s
             rows.append(
                 {
                     "gpus": n,

@@ -58,11 +58,19 @@ def test_group_choice_overrides_the_preset() -> None:
     assert isinstance(built["ft"].config, FaultToleranceConfig)
 
 
+def test_the_budget_preset_leaves_both_cadences_to_the_budget() -> None:
+    cfg = _compose(
+        "resilience=minimal", "resilience/checkpoint=budget", "resilience.checkpoint.config.overhead_budget=0.05"
+    )
+    checkpoint = build_all(cfg.resilience, skip=lambda name: name == "run_dir")["checkpoint"]  # type: ignore[attr-defined]
+    assert [t.every_n_steps for t in checkpoint.tiers] == [0, 0] and checkpoint.config.overhead_budget == 0.05
+
+
 def test_a_bad_value_names_its_full_key() -> None:
-    cfg = _compose("resilience.checkpoint.tiers.1.every_n_steps=0")
+    cfg = _compose("resilience.checkpoint.tiers.1.keep=0")
     with pytest.raises(ResilienceConfigError) as err:
         build_all(cfg.resilience, skip=lambda name: name == "run_dir")  # type: ignore[attr-defined]
-    assert str(err.value) == "resilience.checkpoint.tiers[1].every_n_steps must be >= 1, got 0"
+    assert str(err.value) == "resilience.checkpoint.tiers[1].keep must be >= 1, got 0"
 
 
 def test_a_wrong_type_fails_at_composition_naming_its_full_key() -> None:

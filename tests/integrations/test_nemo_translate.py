@@ -222,7 +222,7 @@ def test_run_dir_defaults_without_one_in_the_app(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("override", "match"),
     [
-        ("resilience.checkpoint.tiers.1.every_n_steps=0", r"resilience.checkpoint.tiers\[1\].every_n_steps must be"),
+        ("resilience.checkpoint.tiers.1.every_n_steps=-1", r"resilience.checkpoint.tiers\[1\].every_n_steps must be"),
         ("++exp_manager.fault_tolerance.safety_factor=0.5", "resilience.ft.config.safety_factor must be a finite"),
         ("resilience.straggler.config.window=2", "resilience.straggler.config.window must be >= 4, got 2"),
     ],

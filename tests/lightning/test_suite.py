@@ -73,14 +73,18 @@ def test_a_yaml_file_is_a_preset_of_its_own(tmp_path: Path) -> None:
     [
         ("defualt", "LIGHTNING_RESILIENCE: unknown preset 'defualt'; available: default, full, minimal"),
         ("default checkpoint.tier=3", "LIGHTNING_RESILIENCE: unknown key 'checkpoint.tier'"),
-        ("default checkpoint=nvme", "LIGHTNING_RESILIENCE: unknown checkpoint option 'nvme'; available: local, memory"),
+        (
+            "default checkpoint=nvme",
+            "LIGHTNING_RESILIENCE: unknown checkpoint option 'nvme'; available: budget, local, memory",
+        ),
         (
             "default ft.config.safety_factor=lots",
             "LIGHTNING_RESILIENCE: bad value for 'ft.config.safety_factor': Value 'lots' of type 'str' could not be",
         ),
         (
-            "default checkpoint.tiers.1.every_n_steps=0",
-            "LIGHTNING_RESILIENCE: resilience.checkpoint.tiers[1].every_n_steps must be >= 1, got 0",
+            "default checkpoint.tiers.1.every_n_steps=-1",
+            "LIGHTNING_RESILIENCE: resilience.checkpoint.tiers[1].every_n_steps must be >= 1, or 0 (the cost budget "
+            "decides), got -1",
         ),
         ("run_dir=/x", "LIGHTNING_RESILIENCE must start with a preset (default, full, minimal) or a YAML file"),
         ("default verbose", "LIGHTNING_RESILIENCE: expected key=value after the preset, got 'verbose'"),

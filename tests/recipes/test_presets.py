@@ -28,9 +28,9 @@ def test_each_preset_trains(tmp_path: Path, preset: str) -> None:
 
 
 def test_bad_value_fails_with_the_full_key(tmp_path: Path) -> None:
-    proc = _run([*RECIPE, f"run_dir={tmp_path}", "resilience.checkpoint.tiers.1.every_n_steps=0"])
+    proc = _run([*RECIPE, f"run_dir={tmp_path}", "resilience.checkpoint.tiers.1.keep=0"])
     assert proc.returncode != 0
-    assert "resilience.checkpoint.tiers[1].every_n_steps must be >= 1, got 0" in proc.stderr
+    assert "resilience.checkpoint.tiers[1].keep must be >= 1, got 0" in proc.stderr
 
 
 def test_preempt_drill_saves_and_exits_with_the_requeue_code(tmp_path: Path) -> None:

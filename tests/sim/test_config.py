@@ -30,7 +30,7 @@ from lightning_resilience.config.sim import (
         (lambda: FailureKindConfig(name="sdc", fraction=1.0, detection_s=-5.0), "failures.sdc.detection_s"),
         (lambda: SimTierConfig(name="a"), "tiers.a: set exactly one"),
         (lambda: SimTierConfig(name="a", every_n_steps=1, every_s=2.0), "tiers.a: set exactly one"),
-        (lambda: SimTierConfig(name="a", every_n_steps=0), "tiers.a.every_n_steps"),
+        (lambda: SimTierConfig(name="a", every_n_steps=-1), "tiers.a.every_n_steps"),
         (lambda: SimTierConfig(name="a", every_s=5.0, durability="tape"), "tiers.a.durability"),  # type: ignore[arg-type]
         (lambda: SimTierConfig(name="a", every_s=5.0, restore_s=float("nan")), "tiers.a.restore_s"),
         (lambda: RestartConfig(cold=-1.0), "restart.cold"),

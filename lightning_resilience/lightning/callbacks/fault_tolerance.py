@@ -15,7 +15,7 @@ from typing_extensions import override
 from lightning_resilience.checkpoint.stats import CheckpointStats
 from lightning_resilience.exit_codes import DecidedExit
 from lightning_resilience.ft.config import FaultToleranceConfig
-from lightning_resilience.ft.ettr import EttrLedger, EttrReport
+from lightning_resilience.ft.ettr import EttrLedger, EttrReport, failure_history
 from lightning_resilience.ft.heartbeat import RankMonitorBridge, connect_rank_monitor
 from lightning_resilience.ft.preemption import PreemptionNotice
 from lightning_resilience.ft.rendezvous import prepare_restarts, restart_hazard
@@ -140,6 +140,7 @@ class FaultTolerance(Callback):
         self._suite = Suite.of(trainer)
         self._suite.join(trainer, "fault_tolerance", self)
         self._suite.add_reporter(self)
+        self._suite.provide_failure_history(lambda: failure_history(self.ledger.attempts) if self.ledger else None)
         self._hang_handler = HangHandler(
             self.run_dir,
             trainer.global_rank,
@@ -234,7 +235,10 @@ class FaultTolerance(Callback):
             self.preempted_at = decision.step  # agreed by every rank: the policy decided at this boundary
         if self.ledger is not None:
             self.ledger.heartbeat(
-                step, checkpoint_blocking_s=self._checkpoint_blocking(trainer), persisted=self._persisted(trainer)
+                step,
+                checkpoint_blocking_s=self._checkpoint_blocking(trainer),
+                persisted=self._persisted(trainer),
+                cadences=self._cadences(),
             )
         self._boundaries += 1
         if self.monitor is not None and not self.monitor.calibrated and self._boundaries > self.config.warmup_steps:
@@ -361,6 +365,13 @@ class FaultTolerance(Callback):
         """The newest committed step of each persistent (non-RAM) checkpoint tier."""
         store = self._suite.store if self._suite is not None else None
         return store.persisted_steps() if store is not None else {}
+
+    def _cadences(self) -> list[tuple[int, str, int, str]]:
+        """The cadences the checkpoint engine's cost budget chose so far, and why."""
+        checkpoint = self._suite.checkpoint if self._suite is not None else None
+        if checkpoint is None or checkpoint.manager is None:
+            return []
+        return [(c.step, c.tier, c.every_n_steps, c.reason) for c in checkpoint.manager.cadence.changes]
 
     def ettr(self) -> EttrReport | None:
         """Time accounting so far (global rank 0 only; None elsewhere)."""

@@ -133,6 +133,11 @@ class TieredCheckpoint(Checkpoint):
         driver.add_snapshotter(self)
         self._fit = (trainer, pl_module)
         self._last_step = trainer.global_step
+        history = self._suite.failure_history()  # rank 0's ledger: the MTBF the budgeted cadences assume
+        if history is not None:
+            self.manager.cadence.note_failures(*history)
+        for line in self.manager.cadence.describe():
+            rank_zero_log(trainer, "checkpoint cadence: %s", line)
         if self.config.overlap_copy:
             # a snapshot's background copy must land before the optimizer changes what it reads
             self._guards = [self.manager.guard_optimizer(opt) for opt in trainer.optimizers]
@@ -141,7 +146,6 @@ class TieredCheckpoint(Checkpoint):
         pending = pending_checkpoint_step(trainer) if trainer.ckpt_path is not None else None
         if trainer.ckpt_path is not None and (pending is None or self.config.resume_step is not None):
             return  # fit(ckpt_path=...) that cannot be compared (restored after setup), or a chosen step: it wins
-        assert self._suite is not None
         bound = self._suite.restore_bound(trainer)  # collective: a corrupt state was found by an earlier attempt
         # sharded strategies rebuild DTensors on their device mesh
         rebuild = getattr(trainer.strategy, "rebuild_dtensor", None)
@@ -272,7 +276,11 @@ class TieredCheckpoint(Checkpoint):
         """The checkpoint section of the end-of-run report (``blocking_timeline``: (step, seconds blocked))."""
         assert self.manager is not None
         return checkpoint_section(
-            self.manager.stats, self.manager.tiers, restores=self.restores, blocking_timeline=blocking_timeline
+            self.manager.stats,
+            self.manager.tiers,
+            restores=self.restores,
+            blocking_timeline=blocking_timeline,
+            cadence=self.manager.cadence.report(),
         )
 
     def restore_memory(self, step: int) -> Restored:
@@ -380,6 +388,8 @@ class TieredCheckpoint(Checkpoint):
             )
         for msg in s.skipped_corrupt:
             lines.append(f"  skipped: {msg}")
+        if self.manager.cadence.budgeted:
+            lines += [f"  cadence: {line}" for line in self.manager.cadence.describe()]
         return "\n".join(lines)
 
 

@@ -1,0 +1,449 @@
+"""How often each checkpoint tier is written: as set where the user set a cadence, chosen from measured costs where
+the cost budget decides (a tier's ``every_n_steps`` left at 0, :data:`~lightning_resilience.checkpoint.tier.BUDGET`).
+
+One function turns costs into cadences, :func:`plan_cadences`; the engine's :class:`CadenceController` feeds it what
+this run measured, the reliability simulator feeds it a tier's configured costs, so both choose alike.
+
+* A RAM tier (a snapshot, nothing written): every step while a snapshot costs at most its share of the budget,
+  otherwise every k steps, the smallest k that fits.
+* A persistent tier: Daly's interval from the blocking cost of a persist and the job's mean time between failures,
+  never shorter than one write (a persist waits for the one before it) nor than its share of the budget allows.
+
+The budget (``checkpoint.overhead_budget``, a fraction of the step time) is one for all tiers: the persistent tiers
+that it decides share at most half of it, a tier with a fixed cadence takes what it costs, and the RAM tiers share
+what is left. A cost is what the training thread spends in the engine (snapshot copies, waits for a background copy
+before the optimizer step, persist agreements); what background threads take from its cores is not in it (the
+benchmarks measure that as step-time slowdown).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lightning_resilience.checkpoint.config import CheckpointConfig
+from lightning_resilience.checkpoint.tier import BUDGET, Durability, Tier
+
+__all__ = [
+    "BUDGET",
+    "Cadence",
+    "CadenceChange",
+    "CadenceController",
+    "TierCosts",
+    "check_delta_mttf",
+    "daly_interval",
+    "estimate_mtbf",
+    "plan_cadences",
+    "young_interval",
+]
+
+log = logging.getLogger(__name__)
+
+WARMUP_STEPS = 8
+"""Steps measured before the first choice (every budgeted RAM tier snapshots every step meanwhile)."""
+PERSIST_SHARE = 0.5
+"""Part of the budget the persistent tiers it decides may take together."""
+RAM_FLOOR_SHARE = 0.05
+"""Part of the budget the RAM tiers keep when fixed tiers take all of it (so that their cadence stays finite)."""
+_WINDOW = 64
+_OUTLIER = 3.0  # a cost sample above this many medians (a first allocation, a GC pause) is left out of the mean
+
+
+# --------------------------------------------------------------------------------------------- Young and Daly
+def check_delta_mttf(delta: float, mttf: float) -> None:
+    """``delta`` (a checkpoint's cost) finite and >= 0, ``mttf`` finite and > 0, else ValueError."""
+    if delta < 0 or not math.isfinite(delta):
+        raise ValueError(f"delta must be a finite number >= 0, got {delta!r}")
+    if mttf <= 0 or not math.isfinite(mttf):
+        raise ValueError(f"mttf must be a finite number > 0, got {mttf!r}")
+
+
+def young_interval(delta: float, mttf: float) -> float:
+    """Young (1974): ``sqrt(2 * delta * mttf)`` seconds of compute between checkpoints that cost ``delta``."""
+    check_delta_mttf(delta, mttf)
+    return math.sqrt(2.0 * delta * mttf)
+
+
+def daly_interval(delta: float, mttf: float) -> float:
+    """Daly (2006) higher-order optimum.
+
+    ``sqrt(2 delta M) * (1 + sqrt(delta / 2M) / 3 + (delta / 2M) / 9) - delta`` for ``delta < 2M``, else ``M``.
+    """
+    check_delta_mttf(delta, mttf)
+    if delta >= 2.0 * mttf:
+        return mttf
+    x = delta / (2.0 * mttf)
+    return math.sqrt(2.0 * delta * mttf) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - delta
+
+
+def estimate_mtbf(prior_s: float, observed_s: float = 0.0, failures: int = 0) -> float:
+    """The job's mean time between failures: the prior counts as one failure seen over ``prior_s`` of training,
+    so a run's own history (``failures`` in ``observed_s``) takes over as it grows."""
+    return (prior_s + max(observed_s, 0.0)) / (1 + max(failures, 0))
+
+
+# ----------------------------------------------------------------------------------------- the cadence function
+@dataclass(frozen=True)
+class TierCosts:
+    """What one checkpoint of a tier costs, and its cadence if fixed."""
+
+    name: str
+    persistent: bool
+    """Written somewhere (disk, peers, a bucket); False for a RAM tier, which holds the snapshot itself."""
+    blocking_s: float
+    """Seconds the training thread spends per checkpoint of this tier."""
+    write_s: float = 0.0
+    """Background seconds from the snapshot until the write is committed (persistent tiers)."""
+    every_n_steps: int = BUDGET
+    """The cadence set in the config, or :data:`BUDGET` (0): chosen here."""
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """A tier's cadence and why."""
+
+    name: str
+    every_n_steps: int
+    set_by: str
+    """``config`` (as set), ``budget`` (its share of the budget), ``daly`` (Daly's interval) or ``write`` (one write
+    at a time)."""
+    reason: str
+    overhead: float
+    """Expected blocking per step as a fraction of the step time."""
+
+
+def _steps_for(cost_s: float, share: float, step_s: float) -> int:
+    """The smallest k with ``cost_s / k <= share * step_s``."""
+    if cost_s <= 0:
+        return 1
+    return max(1, math.ceil(cost_s / (share * step_s) - 1e-9))
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.0f} s"
+
+
+def _pct(fraction: float) -> str:
+    return f"{fraction * 100:.2f}%"
+
+
+def plan_cadences(tiers: Sequence[TierCosts], *, step_s: float, budget: float, mtbf_s: float) -> list[Cadence]:
+    """The cadence of every tier, in the order given (see the module docstring for the rules).
+
+    Args:
+        tiers: each tier's costs and its fixed cadence, or :data:`BUDGET`.
+        step_s: seconds of one training step, checkpointing excluded.
+        budget: the blocking the training thread may spend in checkpointing, a fraction of ``step_s``.
+        mtbf_s: the job's mean time between failures.
+    """
+    if not (step_s > 0 and math.isfinite(step_s)):
+        raise ValueError(f"step_s must be a finite number > 0, got {step_s!r}")
+    if not 0 < budget < 1:
+        raise ValueError(f"budget must be in (0, 1), got {budget!r}")
+    check_delta_mttf(0.0, mtbf_s)
+    chosen: dict[str, Cadence] = {}
+    for t in tiers:
+        if t.every_n_steps != BUDGET:
+            overhead = t.blocking_s / (t.every_n_steps * step_s)
+            chosen[t.name] = Cadence(
+                t.name, t.every_n_steps, "config", f"set in the config: {_pct(overhead)} of the step time", overhead
+            )
+    persist = [t for t in tiers if t.persistent and t.every_n_steps == BUDGET]
+    for t in persist:
+        chosen[t.name] = _persist_cadence(t, step_s, budget * PERSIST_SHARE / len(persist), mtbf_s)
+    ram = [t for t in tiers if not t.persistent and t.every_n_steps == BUDGET]
+    taken = sum(c.overhead for c in chosen.values())
+    left = max(budget - taken, budget * RAM_FLOOR_SHARE)
+    for t in ram:
+        share = left / len(ram)
+        k = _steps_for(t.blocking_s, share, step_s)
+        cost = t.blocking_s / step_s
+        if k == 1:
+            reason = (
+                f"a snapshot blocks {_ms(t.blocking_s)}, {_pct(cost)} of a {_ms(step_s)} step: within its "
+                f"{_pct(share)} of the budget, every step"
+            )
+        else:
+            reason = (
+                f"a snapshot blocks {_ms(t.blocking_s)}, {_pct(cost)} of a {_ms(step_s)} step: over its {_pct(share)} "
+                f"of the budget, so every {k} steps ({_pct(cost / k)})"
+            )
+        if taken > 0:
+            reason += f"; the other tiers take {_pct(taken)}"
+        chosen[t.name] = Cadence(t.name, k, "budget", reason, cost / k)
+    return [chosen[t.name] for t in tiers]
+
+
+def _persist_cadence(t: TierCosts, step_s: float, share: float, mtbf_s: float) -> Cadence:
+    interval = daly_interval(t.blocking_s, mtbf_s)
+    bounds = {
+        "daly": max(1, round(interval / step_s)),
+        "write": max(1, math.ceil(t.write_s / step_s - 1e-9)),
+        "budget": _steps_for(t.blocking_s, share, step_s),
+    }
+    set_by = max(bounds, key=lambda name: bounds[name])  # the first of a tie: Daly's interval wins it
+    k = bounds[set_by]
+    why = {
+        "daly": f"Daly's interval for a {_ms(t.blocking_s)} persist and a {mtbf_s / 3600:.2f} h MTBF is "
+        f"{_ms(interval)} of training",
+        "write": f"a write takes {_ms(t.write_s)} and the next persist waits for it",
+        "budget": f"a persist blocks {_ms(t.blocking_s)}: its {_pct(share)} of the budget allows no more",
+    }[set_by]
+    overhead = t.blocking_s / (k * step_s)
+    reason = f"{why}: every {k} steps of {_ms(step_s)} ({_pct(overhead)} of the step time)"
+    return Cadence(t.name, k, set_by, reason, overhead)
+
+
+# ------------------------------------------------------------------------------------------------ the controller
+@dataclass(frozen=True)
+class CadenceChange:
+    """A cadence chosen at a step (for the log, the report and the ledger)."""
+
+    step: int
+    tier: str
+    every_n_steps: int
+    set_by: str
+    reason: str
+
+
+class _Agreement:
+    """The review's one collective: a MAX over ranks of a few integers."""
+
+    def __init__(self, reduce_max_each: Callable[..., list[int]] | None, rank: int) -> None:
+        self.reduce, self.rank = reduce_max_each, rank
+
+    def max_each(self, values: list[int], step: int) -> list[int]:
+        return values if self.reduce is None else self.reduce(values, op="checkpoint.cadence", step=step)
+
+
+def _robust_mean(samples: Sequence[float]) -> float | None:
+    if not samples:
+        return None
+    median = statistics.median(samples)
+    kept = [s for s in samples if s <= _OUTLIER * median] or list(samples)
+    return statistics.fmean(kept)
+
+
+class CadenceController:
+    """Measures what checkpointing costs this run and, every ``review_steps`` steps, chooses the cadence of each tier
+    left to the budget (:func:`plan_cadences`); a tier with a cadence set in its config keeps it, always.
+
+    The manager calls :meth:`begin` at the start of each ``on_step``, :meth:`due` for each tier, :meth:`end` with
+    what the call blocked, and :meth:`blocked` for each wait for a background copy. Every rank chooses the same
+    cadences: a review is one all-reduce (MAX) of the measured costs on the manager's side group, at the same steps
+    on every rank, and none runs when no tier is left to the budget.
+
+    Args:
+        tiers: the manager's tiers.
+        budget: ``checkpoint.overhead_budget``.
+        mtbf_prior_s: ``checkpoint.mtbf_prior_s``, until the run's failure history says more
+            (:meth:`note_failures`).
+        review_steps: steps between two choices.
+        write_seconds: a persistent tier's mean write time so far, by name (None: no write yet).
+        clock: monotonic seconds (the manager's).
+    """
+
+    @classmethod
+    def of(
+        cls,
+        tiers: Sequence[Tier],
+        config: CheckpointConfig,
+        *,
+        write_seconds: Callable[[str], float | None],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> CadenceController:
+        """The controller of an engine with ``config``'s budget, MTBF prior and review cadence."""
+        return cls(
+            tiers,
+            budget=config.overhead_budget,
+            mtbf_prior_s=config.mtbf_prior_s,
+            review_steps=config.cadence_review_steps,
+            write_seconds=write_seconds,
+            clock=clock,
+        )
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        budget: float,
+        mtbf_prior_s: float,
+        review_steps: int,
+        write_seconds: Callable[[str], float | None],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.budget, self.mtbf_prior_s, self.review_steps = budget, mtbf_prior_s, review_steps
+        self._tiers = [(t.name, t.durability is not Durability.process, t.every_n_steps) for t in tiers]
+        self._write_seconds = write_seconds
+        self._clock = clock
+        self.budgeted = any(every == BUDGET for _, _, every in self._tiers)
+        # until the first review: RAM every step (to measure it), persistent tiers not at all (nothing measured)
+        self._every: dict[str, int | None] = {
+            name: every if every != BUDGET else (None if persistent else 1) for name, persistent, every in self._tiers
+        }
+        self.plan: dict[str, Cadence] = {}
+        self.changes: list[CadenceChange] = []
+        self._agreement = _Agreement(None, 0)
+        self._observed_s, self._failures = 0.0, 0
+        self._mtbf_s = mtbf_prior_s
+        self._measured: dict[str, float] = {}
+        self._steps: deque[float] = deque(maxlen=_WINDOW)
+        self._snapshots: deque[float] = deque(maxlen=_WINDOW)
+        self._persists: deque[float] = deque(maxlen=_WINDOW)
+        self._last_begin: float | None = None
+        self._pending: tuple[str, float] | None = None  # kind of the last call, what it blocked so far
+        self._next_review: int | None = None
+
+    def bind(self, reduce_max_each: Callable[..., list[int]] | None, rank: int) -> None:
+        """The side group's ``reduce_max_each`` (None: a world of one) and this rank."""
+        self._agreement = _Agreement(reduce_max_each, rank)
+
+    def note_failures(self, observed_s: float, failures: int) -> None:
+        """The run's failure history so far (its ledger: ``failures`` in ``observed_s`` of training)."""
+        self._observed_s, self._failures = observed_s, failures
+        self._mtbf_s = estimate_mtbf(self.mtbf_prior_s, observed_s, failures)
+
+    @property
+    def mtbf_s(self) -> float:
+        return self._mtbf_s
+
+    def every(self, name: str) -> int | None:
+        """The cadence tier ``name`` follows now (None: not written until the first choice)."""
+        return self._every[name]
+
+    def due(self, tier: Tier, step: int) -> bool:
+        every = self._every[tier.name]
+        return every is not None and step % every == 0
+
+    # ------------------------------------------------------------------ measuring
+    def begin(self, step: int) -> None:
+        """At the start of ``on_step``: close the last step's figures; at a review step, agree and choose."""
+        if not self.budgeted:
+            return
+        now = self._clock()
+        blocked = 0.0
+        if self._pending is not None:
+            kind, blocked = self._pending
+            (self._snapshots if kind == "snapshot" else self._persists).append(blocked)
+            self._pending = None
+        if self._last_begin is not None and now > self._last_begin:
+            self._steps.append(max(now - self._last_begin - blocked, 0.0))
+        self._last_begin = now
+        if self._next_review is None:
+            self._next_review = step + min(WARMUP_STEPS, self.review_steps)
+        elif step >= self._next_review:
+            self._next_review = step + self.review_steps
+            self._review(step)
+
+    def end(self, blocked_s: float, *, snapshot: bool, persist: bool) -> None:
+        """What ``on_step`` blocked: a snapshot only, or a persist agreement (with or without a RAM snapshot)."""
+        if not self.budgeted or not (snapshot or persist):
+            return
+        if persist:  # what a persist adds to the snapshot taken at the same step anyway
+            extra = blocked_s - ((_robust_mean(self._snapshots) or 0.0) if snapshot else 0.0)
+            self._pending = ("persist", max(extra, 0.0))
+        else:
+            self._pending = ("snapshot", blocked_s)
+
+    def blocked(self, seconds: float) -> None:
+        """A wait for the last snapshot's background copy (billed to it)."""
+        if self._pending is not None:
+            self._pending = (self._pending[0], self._pending[1] + seconds)
+
+    # ------------------------------------------------------------------ choosing
+    def _review(self, step: int) -> None:
+        snapshot = _robust_mean(self._snapshots)
+        persist = _robust_mean(self._persists)
+        persistent = [name for name, p, _ in self._tiers if p]
+        writes = [self._write_seconds(name) for name in persistent]
+        local = [
+            round(statistics.median(self._steps) * 1e6) if self._steps else 0,
+            round((snapshot or 0.0) * 1e6),
+            round(persist * 1e6) if persist is not None else -1,  # -1: no persist measured here
+            round(self._mtbf_s) if self._agreement.rank == 0 else 0,  # rank 0 holds the run's failure history
+            *(round((w or 0.0) * 1e6) for w in writes),
+        ]
+        agreed = self._agreement.max_each(local, step)
+        if agreed[0] <= 0:
+            return  # no step measured yet: the next review decides
+        step_s, snapshot_s = agreed[0] / 1e6, agreed[1] / 1e6
+        persist_s = agreed[2] / 1e6 if agreed[2] >= 0 else None
+        self._mtbf_s = float(agreed[3]) or self._mtbf_s
+        write = dict(zip(persistent, (w / 1e6 for w in agreed[4:])))
+        self._measured = {"step_s": step_s, "snapshot_s": snapshot_s}
+        if persist_s is not None:
+            self._measured["persist_s"] = persist_s
+        # a persist reads every byte of the snapshot again: never counted as cheaper than a snapshot
+        persist_cost = max(persist_s or 0.0, snapshot_s)
+        costs = [
+            TierCosts(name, p, persist_cost if p else snapshot_s, write.get(name, 0.0), every)
+            for name, p, every in self._tiers
+        ]
+        for cadence in plan_cadences(costs, step_s=step_s, budget=self.budget, mtbf_s=self._mtbf_s):
+            persistent_tier = cadence.name in persistent
+            if persist_s is None and persistent_tier and cadence.set_by != "config":
+                cadence = Cadence(
+                    cadence.name, self.review_steps, "unmeasured",
+                    f"no persist measured yet: once every {self.review_steps} steps until one is", cadence.overhead,
+                )  # fmt: skip
+            self._choose(step, cadence)
+
+    def _choose(self, step: int, cadence: Cadence) -> None:
+        previous = self.plan.get(cadence.name)
+        self.plan[cadence.name] = cadence
+        if cadence.set_by == "config":
+            return
+        self._every[cadence.name] = cadence.every_n_steps
+        if previous is not None and previous.every_n_steps == cadence.every_n_steps:
+            return
+        self.changes.append(CadenceChange(step, cadence.name, cadence.every_n_steps, cadence.set_by, cadence.reason))
+        if self._agreement.rank == 0:
+            log.info("checkpoint cadence at step %d: tier %r every %d steps (%s)", step, cadence.name,
+                     cadence.every_n_steps, cadence.reason)  # fmt: skip
+
+    # ------------------------------------------------------------------ telling
+    def describe(self) -> list[str]:
+        """One line per tier: its cadence now and why."""
+        lines = []
+        for name, persistent, every in self._tiers:
+            chosen = self.plan.get(name)
+            if every != BUDGET:
+                lines.append(f"tier {name!r}: every {every} steps (set in the config)")
+            elif chosen is not None:
+                lines.append(f"tier {name!r}: every {chosen.every_n_steps} steps ({chosen.reason})")
+            else:
+                first = "not written until" if persistent else "every step until"
+                lines.append(
+                    f"tier {name!r}: the {_pct(self.budget)} overhead budget decides; {first} the costs are measured "
+                    f"({WARMUP_STEPS} steps), with an MTBF of {self._mtbf_s / 3600:.2f} h "
+                    f"({self._failures} failure(s) in {self._observed_s / 3600:.2f} h of this run and the prior)"
+                )
+        return lines
+
+    def report(self) -> dict[str, Any]:
+        """The budget, the MTBF, what was measured, each tier's cadence and why, and every change."""
+        tiers = {}
+        for name, _, every in self._tiers:
+            chosen = self.plan.get(name)
+            tiers[name] = {
+                "every_n_steps": self._every[name],
+                "set_by": "config" if every != BUDGET else (chosen.set_by if chosen else "unmeasured"),
+                "reason": chosen.reason if chosen else ("set in the config" if every != BUDGET else "not chosen yet"),
+                "overhead": chosen.overhead if chosen else None,
+            }
+        return {
+            "overhead_budget": self.budget,
+            "mtbf_s": self._mtbf_s,
+            "mtbf_prior_s": self.mtbf_prior_s,
+            "failures_seen": self._failures,
+            "observed_s": self._observed_s,
+            "measured": dict(self._measured),
+            "tiers": tiers,
+            "changes": [asdict(c) for c in self.changes],
+        }
