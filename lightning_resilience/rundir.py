@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RUN_DIR_ENV", "LaunchDir", "RunDir"]
+__all__ = ["DEFAULT_SUBDIR", "RUN_DIR_ENV", "LaunchDir", "RunDir"]
 
 RUN_DIR_ENV = "LIGHTNING_RESILIENCE_RUN_DIR"
 """Set by ``lightning-resilience launch`` in every worker: the run directory the launcher reads."""

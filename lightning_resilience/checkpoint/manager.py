@@ -83,12 +83,9 @@ class CheckpointManager:
         self._closed = False
         self._failure: BaseException | None = None
         """A persist failure held for the next agreement, so that every rank stops at the same call."""
-        self.agreement = PersistAgreement(
-            [t.name for t in self._persistent],
-            lambda: (not self._worker.busy, self._failure is None),
-            self._raise_failure,
-        )
-        """The persist view's part of each step's agreement (register it with a step driver)."""
+        # the persist view's part of each step's agreement (register it with a step driver)
+        local = lambda: (not self._worker.busy, self._failure is None)  # noqa: E731
+        self.agreement = PersistAgreement([t.name for t in self._persistent], local, self._raise_failure, self._group)
 
     # ------------------------------------------------------------------ setup
     def setup(self, group: Any = None, *, side: SideGroup | None = None) -> None:

@@ -97,17 +97,22 @@ class PersistAgreement:
         names: the persistent tiers, in order.
         local: this rank's ``(idle, sound)`` now: no persist running, no persist failure held (no wait, no I/O).
         fail: raises the failure every rank stops with (called on every rank when a rank reported one).
+        group: the side group of the agreements off the step path (or later, :meth:`bind`).
     """
 
     def __init__(
-        self, names: Sequence[str], local: Callable[[], tuple[bool, bool]], fail: Callable[[str], None]
+        self,
+        names: Sequence[str],
+        local: Callable[[], tuple[bool, bool]],
+        fail: Callable[[str], None],
+        group: SideGroup | None = None,
     ) -> None:
         self.history = PersistHistory(names)
         self.held: dict[str, set[int]] = {name: set() for name in names}
         """Per tier, the steps this rank holds (kept from its own writes and deletions: no listing)."""
         self._local, self._fail = local, fail
         self._view: PersistView | None = None
-        self._group: SideGroup | None = None
+        self._group = group
         self.driven = False
         """A step driver carries the view in each step's agreement."""
 

@@ -41,6 +41,10 @@ class CheckpointStore(Protocol):
         """The newest committed step of each tier that outlives the process."""
         ...
 
+    def cadence_changes(self) -> list[tuple[int, str, int, str]]:
+        """(step, tier, every_n_steps, why) of every cadence the cost budget chose so far."""
+        ...
+
     def add_meta_provider(self, provider: Callable[[int], dict[str, Any]]) -> None: ...
 
     def persist_now(self, trainer: Trainer, meta: dict[str, Any] | None = None) -> None:

@@ -24,7 +24,7 @@ from lightning_resilience.launch.analysis import evidence_of
 from lightning_resilience.launch.records import AttemptRecord as LaunchedAttempt
 from lightning_resilience.launch.records import read_records
 from lightning_resilience.report.timeline import Timeline, build_timeline
-from lightning_resilience.rundir import RunDir
+from lightning_resilience.rundir import DEFAULT_SUBDIR, RunDir
 
 __all__ = ["RunRecords", "explain_run", "find_ledger", "read_run"]
 
@@ -52,7 +52,11 @@ def find_ledger(run_dir: str | Path) -> Path | None:
 def read_run(run_dir: str | Path) -> RunRecords:
     """Read the attempts and their evidence; a run with neither a ledger nor launcher records has no attempts."""
     rd = RunDir.locate(run_dir)
-    ledger = rd.ledger if rd.ledger.is_file() else None
+    # the workers' records may sit in the suite's own folder beside the launcher's (a recipe's ``run_dir`` holds
+    # ``launch/``, its fault tolerance writes to ``run_dir/resilience``)
+    sub = RunDir(rd.root / DEFAULT_SUBDIR)
+    suite = sub if not rd.ledger.is_file() and sub.ledger.is_file() else rd
+    ledger = suite.ledger if suite.ledger.is_file() else None
     records = RunRecords(rd.root, ledger)
     if ledger is not None:
         try:
@@ -64,7 +68,7 @@ def read_run(run_dir: str | Path) -> RunRecords:
     matched = _match(records.attempts, launched)
     # notes still in faults/: the last attempt's (the next attempt would have folded them into the ledger), or
     # written late, after the next attempt had started
-    pending = read_fault_notes(rd.root)
+    pending = read_fault_notes(suite.root)
     for i, rec in enumerate(records.attempts):
         launch = matched.get(i)
         if launch is not None:  # what the launcher attributed it from: the launcher and the report agree
@@ -87,7 +91,7 @@ def read_run(run_dir: str | Path) -> RunRecords:
         )
         for note in ev.notes:
             if note.stacks and note.rank not in ev.stacks:
-                text = _read_stacks(note.stacks, rd.stacks)
+                text = _read_stacks(note.stacks, suite.stacks)
                 if text is not None:
                     ev.stacks[note.rank] = text
         records.evidence.append(ev)

@@ -189,7 +189,7 @@ def test_shard_moved_to_another_step_is_refused(tmp_path: Path) -> None:
 def test_invalid_cadence_is_rejected_naming_the_field(tmp_path: Path) -> None:
     """Bad construction arguments raise ValueError naming the config key."""
     with pytest.raises(ValueError, match=r"tiers\.local\.every_n_steps"):
-        LocalTier(tmp_path, every_n_steps=0)
+        LocalTier(tmp_path, every_n_steps=-1)
     with pytest.raises(ValueError, match=r"tiers\.local\.keep"):
         LocalTier(tmp_path, keep=0)
     with pytest.raises(ValueError, match="path"):

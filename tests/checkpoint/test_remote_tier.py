@@ -112,7 +112,7 @@ def test_remote_tier_satisfies_the_tier_protocol(tmp_path: Path) -> None:
         ({"url": "   "}, r"tiers\.remote\.url must be an fsspec URL"),
         ({"url": "nosuchproto://bucket/run"}, r"tiers\.remote\.url has an unknown protocol 'nosuchproto'"),
         ({"url": "memory://"}, r"tiers\.remote\.url must name a bucket or directory, got 'memory://'"),
-        ({"url": "memory://x", "every_n_steps": 0}, r"tiers\.remote\.every_n_steps"),
+        ({"url": "memory://x", "every_n_steps": -1}, r"tiers\.remote\.every_n_steps"),
         ({"url": "memory://x", "keep": 0}, r"tiers\.remote\.keep"),
         ({"url": "memory://x", "retries": -1}, r"tiers\.remote\.retries"),
         ({"url": "memory://x", "backoff_s": -1.0}, r"tiers\.remote\.backoff_s"),

@@ -44,7 +44,7 @@ def test_config_names_the_bad_key() -> None:
     with pytest.raises(ValueError, match=r"tiers\.peer\.replicas must be >= 0"):
         PeerTierConfig(replicas=-1)
     with pytest.raises(ValueError, match=r"tiers\.peer\.every_n_steps must be >= 1"):
-        PeerTierConfig(every_n_steps=0)
+        PeerTierConfig(every_n_steps=-1)
     with pytest.raises(ValueError, match=r"tiers\.peer\.timeout_s must be > 0"):
         PeerTierConfig(timeout_s=0)
     assert isinstance(PeerTierConfig(path="/tmp/x").build(), PeerTier)

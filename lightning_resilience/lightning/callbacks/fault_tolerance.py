@@ -295,10 +295,17 @@ class FaultTolerance(Callback):
             return  # the end of a fit the suite stopped: recorded and closed in teardown
         self.exception = f"{type(exception).__name__}: {exception}"
         section = self.watchdog.section if self.watchdog is not None else None
-        # Lightning runs no teardown hook after an exception: stop here. The emergency save that follows
-        # (TieredCheckpoint.on_exception) is rank-local and bounded by its own deadline.
-        self._shutdown()
-        if self.run_dir is None or self.attempt is None:
+        try:
+            self._record_exception(trainer, section)
+        finally:
+            # Lightning runs no teardown hook after an exception: stop here, once the record is written (our
+            # handlers stay until then: a launcher's SIGTERM to the survivors must not interrupt the write, as
+            # Lightning's own handler would with a collective). The emergency save that follows
+            # (TieredCheckpoint.on_exception) is rank-local and bounded by its own deadline.
+            self._shutdown()
+
+    def _record_exception(self, trainer: Trainer, section: str | None) -> None:
+        if self.run_dir is None or self.attempt is None or self.exception is None:
             return
         note = FaultNote(
             kind="exception",
@@ -368,10 +375,8 @@ class FaultTolerance(Callback):
 
     def _cadences(self) -> list[tuple[int, str, int, str]]:
         """The cadences the checkpoint engine's cost budget chose so far, and why."""
-        checkpoint = self._suite.checkpoint if self._suite is not None else None
-        if checkpoint is None or checkpoint.manager is None:
-            return []
-        return [(c.step, c.tier, c.every_n_steps, c.reason) for c in checkpoint.manager.cadence.changes]
+        store = self._suite.store if self._suite is not None else None
+        return store.cadence_changes() if store is not None else []
 
     def ettr(self) -> EttrReport | None:
         """Time accounting so far (global rank 0 only; None elsewhere)."""

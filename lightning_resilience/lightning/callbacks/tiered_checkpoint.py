@@ -268,6 +268,11 @@ class TieredCheckpoint(Checkpoint):
         stats = self.manager.stats.tiers
         return {t.name: stats[t.name].last_step for t in self.manager.tiers if t.durability is not Durability.process}
 
+    def cadence_changes(self) -> list[tuple[int, str, int, str]]:
+        if self.manager is None:
+            return []
+        return [(c.step, c.tier, c.every_n_steps, c.reason) for c in self.manager.cadence.changes]
+
     def add_meta_provider(self, provider: Callable[[int], dict[str, Any]]) -> None:
         assert self.manager is not None
         self.manager.add_meta_provider(provider)
