@@ -126,7 +126,9 @@ class TieredCheckpoint(Checkpoint):
         assert self.manager is not None and self._suite is not None
         # collective over the job's ranks, in the order of the callbacks: the same on every rank
         self.manager.setup(side=self._suite.side("checkpoint", self.config.collective_timeout))
-        record_progress(self.manager, RunDir.resolve(None, trainer.default_root_dir))  # for the launcher
+        launched = RunDir.from_environment()
+        if launched is not None:  # the launcher judges progress from what every tier committed, wherever it is
+            record_progress(self.manager, launched)
         driver = self._suite.the_driver()
         driver.add_contributor(self.manager.agreement)
         self.manager.agreement.driven = True
