@@ -29,7 +29,7 @@ from lightning_resilience.checkpoint.snapshot import HostSnapshot, SnapshotPool
 from lightning_resilience.checkpoint.stats import CheckpointStats, Restored, TierStats
 from lightning_resilience.checkpoint.tier import Durability, RamTier, Tier, TierIdentity, restore_order
 from lightning_resilience.checkpoint.tree import DTensorRebuilder, flatten_state
-from lightning_resilience.checkpoint.worker import PersistWorker
+from lightning_resilience.checkpoint.worker import PersistWorker, WriterProcess
 from lightning_resilience.collective import Deadline, SideGroup
 
 __all__ = ["CheckpointManager", "CheckpointStats", "Restored", "TierStats"]
@@ -70,12 +70,15 @@ class CheckpointManager:
         self.tiers = restore_order([conform(t) for t in tiers])
         self.config = config or CheckpointConfig()
         self._clock = clock
-        # a tier of process durability holds the snapshot buffers themselves (the RamTier protocol)
-        self._memory = [cast(RamTier, t) for t in self.tiers if t.durability is Durability.process]
-        self._persistent = [t for t in self.tiers if t.durability is not Durability.process]
+        # a RAM tier holds the snapshot buffers themselves (the RamTier protocol), in process or shared memory
+        self._memory = [cast(RamTier, t) for t in self.tiers if t.ram]
+        self._persistent = [t for t in self.tiers if not t.ram]
         memory_keep = sum(t.keep for t in self._memory)
-        self._pool = SnapshotPool(max_slots=self.config.max_host_copies or memory_keep + 2)
+        slots = self.config.max_host_copies or memory_keep + 2
+        self._pool = SnapshotPool(max_slots=slots, buffers=self._memory[0].buffers(slots) if self._memory else None)
         self._worker = PersistWorker()
+        self._writer = WriterProcess(self.config.drain_timeout)
+        """Writes persists of snapshots in shared memory, off this process's GIL (started by :meth:`setup`)."""
         self._deferred: list[Tier] = []
         self._group = SideGroup("checkpoint", self.config.collective_timeout, local=True)  # peers come with setup
         self.identity = TierIdentity()
@@ -94,6 +97,8 @@ class CheckpointManager:
         self.identity = TierIdentity(self._group.rank, self._group.world_size)
         for tier in self.tiers:
             tier.bind(self.identity)
+        if self._persistent and any(t.durability is not Durability.process for t in self._memory):
+            self._writer.start()  # snapshots live in shared memory: the writer process can read them there
 
     @property
     def world_size(self) -> int:
@@ -310,7 +315,7 @@ class CheckpointManager:
         results = []
         unexpected: BaseException | None = None
         try:
-            snap = slot.view()
+            snap = slot.view(self._writer)
             for tier in tiers:
                 start = time.perf_counter()
                 try:
@@ -394,15 +399,19 @@ class CheckpointManager:
         return restore.run(step, max_step, rebuild_dtensor, in_process=memory_only)
 
     # --------------------------------------------------------------- teardown
-    def close(self, timeout: timedelta | None = None) -> None:
-        """Drain the in-flight persist (bounded) and stop the worker; no save outlives this call."""
+    def close(self, timeout: timedelta | None = None, *, finished: bool = False) -> None:
+        """Drain the in-flight persist (bounded) and stop the worker; no save outlives this call. ``finished``: the
+        job is over, so RAM tiers also remove what they keep in shared memory for a restart."""
         if self._closed:
             return
         self._closed = True
         self._pool.close(self.config.snapshot_timeout)
+        for tier in self._memory:
+            tier.close(keep=not finished)
         drained = self._worker.close(timeout or self.config.drain_timeout)
         if not drained:
             log.error("checkpoint persist did not finish within %s; its step is not committed", timeout)
+        self._writer.close(self.config.snapshot_timeout)
         self.collect()
         if self._failure is not None:  # never reported at an agreement: rank-local from here on
             cause, self._failure = self._failure, None

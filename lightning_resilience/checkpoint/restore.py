@@ -20,7 +20,7 @@ from lightning_resilience.checkpoint.errors import CheckpointCorruptError, NoVal
 from lightning_resilience.checkpoint.reshard import reshardable_steps, restore_resharded_agreed
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.stats import CheckpointStats, Restored
-from lightning_resilience.checkpoint.tier import CollectiveTier, Durability, RamTier, Tier, TierIdentity
+from lightning_resilience.checkpoint.tier import CollectiveTier, RamTier, Tier, TierIdentity
 from lightning_resilience.checkpoint.tree import DTensorRebuilder, unflatten_state
 from lightning_resilience.collective import SideGroup
 
@@ -115,7 +115,7 @@ class CollectiveRestore:
         source: Tier | None = None
         for tier in tiers:
             try:
-                if tier.durability is not Durability.process:
+                if not tier.ram:
                     snap, source = tier.read(candidate), tier
                     break
                 if cast(RamTier, tier).holds(candidate):  # taken only after the agreement below

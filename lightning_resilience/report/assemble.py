@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_resilience.checkpoint.manager import CheckpointStats
-from lightning_resilience.checkpoint.tier import Durability, Tier
+from lightning_resilience.checkpoint.tier import Tier
 from lightning_resilience.report.model import ResilienceReport, finite
 
 __all__ = ["assemble", "checkpoint_section", "thin"]
@@ -36,7 +36,7 @@ def checkpoint_section(
     triggers snapshots: the RAM tiers when there are any (persistent tiers then copy in the background), otherwise
     every persistent tier.
     """
-    ram = {t.name for t in tiers if t.durability is Durability.process}
+    ram = {t.name for t in tiers if t.ram}
     triggers = ram or {t.name for t in tiers}
     out_tiers: dict[str, Any] = {}
     for tier in tiers:
