@@ -11,6 +11,7 @@ written by a job of another size), the step is restored resharded (:mod:`lightni
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import cast
@@ -139,6 +140,7 @@ class CollectiveRestore:
                 source.name,
                 elapsed,
             )
+            self.stats.restored_at = time.time()
         log.info("restored step %d from tier %r in %.3fs", candidate, source.name, elapsed)
         return Restored(candidate, state, source.name, elapsed, snap.meta)
 
@@ -182,6 +184,7 @@ class CollectiveRestore:
             return None  # the same on every rank: the agreed step is older than a native one
         elapsed = self.clock() - start
         self.stats.restored_step, self.stats.restored_from, self.stats.restore_seconds = res.step, name, elapsed
+        self.stats.restored_at = time.time()
         log.warning(
             "restored step %d from tier %r, resharded from %d to %d ranks (per-rank RNG and data position taken "
             "from old rank new_rank %% %d: not an exact resume)",

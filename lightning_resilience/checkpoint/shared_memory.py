@@ -42,6 +42,7 @@ __all__ = [
     "STALE_AFTER_S",
     "Held",
     "Segment",
+    "held_steps",
     "map_held",
     "process_identity",
     "rank_directory",
@@ -267,6 +268,23 @@ def _read_marker(marker: Path, data: Path) -> dict[str, Any] | None:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     return None
+
+
+def held_steps(shm_dir: Path, run_key: str) -> dict[int, list[int]]:
+    """Step -> ranks holding it whole in shared memory (markers of processes no longer alive), for every rank of
+    the run on this node: what a restart finds before it touches anything."""
+    out: dict[int, set[int]] = {}
+    root = shm_dir / SUBDIR / run_key
+    for rank_dir in sorted(root.glob("rank_*")) if root.is_dir() else []:
+        rank = int(rank_dir.name.removeprefix("rank_"))
+        for entry in rank_dir.iterdir():
+            match = _BUFFER.match(entry.name)
+            if match is None or _alive(int(match.group(1)), int(match.group(2))):
+                continue
+            info = _read_marker(entry.with_suffix(".json"), entry)
+            if info is not None:
+                out.setdefault(int(info["step"]), set()).add(rank)
+    return {step: sorted(ranks) for step, ranks in sorted(out.items())}
 
 
 def map_held(held: Held) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

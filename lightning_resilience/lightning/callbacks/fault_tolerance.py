@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from lightning_resilience.checkpoint.manager import CheckpointStats
 from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.exit_codes import DecidedExit
 from lightning_resilience.ft.config import FaultToleranceConfig
-from lightning_resilience.ft.ettr import EttrLedger, EttrReport
+from lightning_resilience.ft.ettr import EttrLedger, EttrReport, describe_restart, process_started_at
 from lightning_resilience.ft.heartbeat import RankMonitorBridge, connect_rank_monitor
 from lightning_resilience.ft.preemption import PreemptionNotice, connect_store
 from lightning_resilience.ft.rendezvous import restart_hazard
@@ -89,6 +90,8 @@ class FaultTolerance(Callback):
         self._started_training = False
         self._last_step = -1
         self._boundaries = 0
+        self._ready_at = time.time()  # the script has imported and built its callbacks: the restart breakdown's mark
+        self._first_done = False
 
     def __getstate__(self) -> dict[str, Any]:
         # spawn launchers pickle callbacks: threads, sockets, stores and open files are per process
@@ -126,7 +129,7 @@ class FaultTolerance(Callback):
             return
         cfg = self.config
         # a callback reused for another fit starts a new attempt (its calibration is kept)
-        self._started_training, self._last_step, self._boundaries = False, -1, 0
+        self._started_training, self._last_step, self._boundaries, self._first_done = False, -1, 0, False
         self.preempted_at = self.emergency_saved = None
         self.exception = None
         self.run_dir = Path(cfg.run_dir) if cfg.run_dir else Path(trainer.default_root_dir) / "resilience"
@@ -166,6 +169,8 @@ class FaultTolerance(Callback):
                 launcher=self.attempt.launcher,
                 world_size=trainer.world_size,
                 job_id=self.attempt.job_id,
+                process_started_at=process_started_at(),
+                script_ready_at=self._ready_at,
             )
 
     @override
@@ -197,6 +202,7 @@ class FaultTolerance(Callback):
                     restored_step=stats.restored_step if stats is not None else None,
                     restored_from=stats.restored_from if restored and stats is not None else None,
                     restore_s=stats.restore_seconds if restored and stats is not None else None,
+                    restored_at=stats.restored_at if restored and stats is not None else None,
                 )
             if self.monitor is not None:
                 self.monitor.end_section("setup")
@@ -223,6 +229,9 @@ class FaultTolerance(Callback):
         if step == self._last_step:  # mid gradient accumulation: not a step boundary
             return
         self._last_step = step
+        if self.ledger is not None and not self._first_done:
+            self._first_done = True
+            self.ledger.first_step_done()
         if self.ledger is not None:
             self.ledger.heartbeat(
                 step, checkpoint_blocking_s=self._checkpoint_blocking(trainer), persisted=self._persisted(trainer)
@@ -427,4 +436,5 @@ class FaultTolerance(Callback):
                 f"  {report.attempts} attempts, {report.restarts} restarts"
                 + (f": causes {', '.join(report.causes)}" if report.causes else ""),
             ]
+            lines += [f"  restart {c.attempt}: {describe_restart(asdict(c))}" for c in report.restart_costs]
         return "\n".join(lines)

@@ -267,17 +267,19 @@ class TieredCheckpoint(Checkpoint):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._shutdown()
+            # a fit that ended without a decided stop (or a corrupt state) is the end of the job: nothing is kept
+            suite = self._suite
+            self._shutdown(finished=suite is None or (suite.decision is None and suite.corrupt is None))
             if self._suite is not None:
                 self._suite.fit_end(self, trainer)
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, finished: bool = False) -> None:
         self._data.detach()
         for guard in self._guards:
             guard.remove()
         self._guards = []
         if self.manager is not None:
-            self.manager.close()
+            self.manager.close(finished=finished)
 
     # ------------------------------------------------------------------ state
     @override
