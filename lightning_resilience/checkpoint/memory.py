@@ -130,7 +130,14 @@ class MemoryTier:
         return _SharedBuffers(self, slots) if self.config.shared_memory else ProcessBuffers()
 
     def adopt(self, slot: HostSnapshot, release: Callable[[HostSnapshot], None]) -> Written:
-        """Hold a reference to a pool slot (already retained for us); ``release`` gives it back."""
+        """Hold a reference to a pool slot (already retained for us); ``release`` gives it back.
+
+        In shared memory the oldest step goes only once the new one is committed (its copy landed): a kill in the
+        middle of the copy still leaves ``keep`` whole steps.
+        """
+        shared = self._shared
+        segment = slot.arena.segment if slot.arena is not None else None
+        pending = shared is not None and segment is not None
         evicted: list[_Held] = []
         with self._lock:
             old = self._held.pop(slot.step, None)
@@ -138,11 +145,9 @@ class MemoryTier:
                 evicted.append(old)
             self._copies.pop(slot.step, None)
             self._held[slot.step] = (slot, release)
-            evicted.extend(self._evict())
+            evicted.extend(self._evict(self.keep + int(pending)))
         for held in evicted:
             _drop(held)
-        shared = self._shared
-        segment = slot.arena.segment if slot.arena is not None else None
         if shared is not None:
             shared.first_capture()
             if segment is not None:
@@ -160,9 +165,16 @@ class MemoryTier:
             _drop(held)
         return Written(snap.step, snap.nbytes)
 
-    def _evict(self) -> list[_Held]:
+    def committed(self, step: int) -> None:
+        """``step`` is committed in shared memory: the steps beyond ``keep`` can go now."""
+        with self._lock:
+            evicted = self._evict(self.keep) if step in self._held else []
+        for held in evicted:
+            _drop(held)
+
+    def _evict(self, limit: int | None = None) -> list[_Held]:
         evicted = []
-        while len(self._held) + len(self._copies) > self.keep:
+        while len(self._held) + len(self._copies) > (self.keep if limit is None else limit):
             oldest = min([*self._held, *self._copies])
             if oldest in self._held:
                 evicted.append(self._held.pop(oldest))
@@ -292,10 +304,10 @@ class _Shared:
         root = Path(tier.config.shm_dir)
         key = shm.resolve_run_key(tier.config.run_id)
         where = f"tier {tier.name!r}"
-        if key is None:
-            log.warning(
-                "%s: nothing identifies this run across restarts (no run_id, no launcher, scheduler or torchrun "
-                "run id): snapshots stay in process memory, a crash falls back to the next tier", where
+        if key is None:  # no launcher restarts this process: said, but not as a warning
+            log.info(
+                "%s: nothing identifies this run across restarts (no run_id, no launcher, scheduler or torchrun run "
+                "id): snapshots stay in process memory; set run_id to keep them in %s", where, root
             )  # fmt: skip
             return None
         run_key, source = key
@@ -367,8 +379,10 @@ class _Shared:
             committed = segment.commit(generation, marker)
         except (OSError, TypeError, ValueError) as err:  # never fail training over a marker: the step is just not kept
             log.warning("tier %r: step %d not kept in shared memory (%s)", self.tier.name, step, err)
+            self.tier.committed(step)  # the window stays bounded: the older steps go all the same
             return
         if committed:
+            self.tier.committed(step)
             with self._lock:
                 superseded = self._restored is not None and step > self._restored
                 if superseded:

@@ -3,10 +3,12 @@
 A rank's buffers are files under ``<shm_dir>/lightning_resilience/<run key>/rank_NNNNN/`` (``/dev/shm`` by default,
 a RAM-backed tmpfs), each mapped once into the training process and reused from step to step: the snapshot copy
 writes straight into them, so keeping a step in shared memory costs no copy beyond the snapshot itself. A buffer
-holds one step once a small *marker* (``<buffer>.json``: step, tensor layout, skeleton, metadata) is committed next
-to it, after its copy has landed (written under a temporary name, then renamed); the marker is removed before the
-buffer is written again. A process killed at any instant therefore leaves every buffer either whole and marked, or
-unmarked, never a torn snapshot that looks whole.
+holds one step once a small *marker* (``<buffer>.json``: step, tensor layout, skeleton, metadata, and the buffer's
+*generation*) is committed next to it, after its copy has landed (written under a temporary name, then renamed).
+Before the buffer is written again its generation, kept in the buffer's own header, is bumped: a store to memory,
+no system call on the training thread, and from then on the marker names a generation the buffer no longer has. A
+process killed at any instant therefore leaves every buffer either whole with a marker of its generation, or with
+none, never a torn snapshot that looks whole.
 
 A restarted worker on the same node (same run key, same rank) finds the marked buffers of its dead predecessor
 (:func:`scan`) and maps them read-only to restore. The run key names the run across restarts
@@ -27,6 +29,7 @@ import mmap
 import os
 import re
 import shutil
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -39,6 +42,7 @@ from lightning_resilience.ft.restart import LAUNCH_DIR_ENV
 
 __all__ = [
     "FORMAT",
+    "HEADER",
     "STALE_AFTER_S",
     "Held",
     "Segment",
@@ -59,6 +63,10 @@ STALE_AFTER_S = 600.0
 """Buffers of another run are removed only when no process that wrote them is alive and the newest of them is older
 than this: a job of another run restarting on the same node keeps its buffers across its restart gap."""
 ALIGN = 64
+HEADER = 64
+"""Bytes before a buffer's data: a magic word and the buffer's generation (:data:`_HEAD`)."""
+_HEAD = struct.Struct("<8sQ")
+_MAGIC = b"LRSHM\x00v1"
 _BUFFER = re.compile(r"^buf-(\d+)-(\d+)-(\d+)\.bin$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
@@ -150,18 +158,20 @@ class Segment:
         self.nbytes = nbytes
         self._lock = threading.Lock()
         self._generation = 0
-        self._committed = False
         self._pinned = False
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.posix_fallocate(fd, 0, max(nbytes, 1))  # the pages exist now: a full tmpfs is an error here
-            self._map = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.posix_fallocate(fd, 0, HEADER + nbytes)  # the pages exist now: a full tmpfs is an error here
+            self._map = mmap.mmap(fd, HEADER + nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             self.path.unlink(missing_ok=True)
             raise
         os.close(fd)  # the mapping keeps the file open
-        self.data = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0)
+        _HEAD.pack_into(self._map, 0, _MAGIC, 0)
+        self.data = (
+            torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=HEADER) if nbytes else torch.empty(0)
+        )
         if pin and nbytes and torch.cuda.is_available():
             # the copy from the device lands here directly: page-locked like a pinned torch allocation
             status = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 0)
@@ -176,34 +186,38 @@ class Segment:
     def pinned(self) -> bool:
         return self._pinned
 
+    @property
+    def base(self) -> int:
+        """Where the arena starts in the file."""
+        return HEADER
+
     def invalidate(self) -> int:
-        """Remove the marker (before the buffer is written again); returns the new generation, which a pending
-        :meth:`commit` must name."""
+        """Before the buffer is written again: a new generation in its header, so that its marker no longer vouches
+        for it (a store to memory, no system call). Returns the generation a :meth:`commit` must name."""
         with self._lock:
             self._generation += 1
-            if self._committed:
-                self.marker.unlink(missing_ok=True)
-                self._committed = False
+            _HEAD.pack_into(self._map, 0, _MAGIC, self._generation)
             return self._generation
 
     def commit(self, generation: int, marker: dict[str, Any]) -> bool:
         """Write the marker that makes the buffer's content a whole step; False when the buffer was invalidated
         since ``generation`` (its content is no longer that step)."""
-        text = json.dumps({"format": FORMAT, "data": self.path.name, "nbytes": self.nbytes, **marker})
+        text = json.dumps(
+            {"format": FORMAT, "data": self.path.name, "nbytes": self.nbytes, "generation": generation, **marker}
+        )
         with self._lock:
             if generation != self._generation:
                 return False
             tmp = self.marker.with_name(f".{self.marker.name}.tmp")
             tmp.write_text(text)
             os.replace(tmp, self.marker)  # tmpfs: no fsync; a rename is atomic and a kill cannot undo it
-            self._committed = True
             return True
 
     def remove(self) -> None:
         """Unlink the buffer and its marker; the mapping stays valid for the tensors that still view it."""
         with self._lock:
             self._generation += 1
-            self._committed = False
+            _HEAD.pack_into(self._map, 0, _MAGIC, self._generation)
             self.marker.unlink(missing_ok=True)
             self.path.unlink(missing_ok=True)
         if self._pinned:
@@ -248,7 +262,7 @@ def scan(directory: Path, *, world_size: int) -> tuple[list[Held], list[Path]]:
             continue
         marker = entry.with_suffix(".json")
         info = _read_marker(marker, entry)
-        if info is None:
+        if info is None:  # never committed, or written again since its marker (a kill in the middle of a copy)
             doomed += [entry, marker]
         elif int(info["world_size"]) != world_size:
             log.info("removing %s: written by a job of world size %s, this one has %d", entry, info["world_size"],
@@ -260,12 +274,17 @@ def scan(directory: Path, *, world_size: int) -> tuple[list[Held], list[Path]]:
 
 
 def _read_marker(marker: Path, data: Path) -> dict[str, Any] | None:
+    """The marker of ``data`` when it vouches for the buffer as it is: same name, size, and generation."""
     try:
         info: dict[str, Any] = json.loads(marker.read_text())
-        ok = info.get("format") == FORMAT and info.get("data") == data.name
-        if ok and data.stat().st_size >= int(info["nbytes"]):
+        if info.get("format") != FORMAT or info.get("data") != data.name:
+            return None
+        with open(data, "rb") as f:
+            magic, generation = _HEAD.unpack(f.read(_HEAD.size))
+            size = os.fstat(f.fileno()).st_size
+        if magic == _MAGIC and generation == int(info["generation"]) and size >= HEADER + int(info["nbytes"]):
             return info
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
         pass
     return None
 
@@ -302,8 +321,7 @@ def map_held(held: Held) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         mapping = mmap.mmap(f.fileno(), max(size, 1), mmap.MAP_SHARED, mmap.PROT_READ) if size else None
     tensors = {}
     for name, (offset, shape, dtype) in info["tensors"].items():
-        view = tensor_view(mapping, int(offset), tuple(shape), _dtype(str(dtype)))
-        tensors[name] = view
+        tensors[name] = tensor_view(mapping, HEADER + int(offset), tuple(shape), _dtype(str(dtype)))
     return info, tensors
 
 

@@ -407,7 +407,9 @@ class HostSnapshot:
         """The slot's content (after its copy landed); ``writer`` writes it from shared memory when it is there."""
         self.wait_copied()
         segment = self.arena.segment if self.arena is not None else None
-        shared = SharedSource(segment.path, dict(self.offsets)) if segment is not None else None
+        shared = None
+        if segment is not None:  # the file holds a header before the arena
+            shared = SharedSource(segment.path, {n: segment.base + o for n, o in self.offsets.items()})
         return StagedSnapshot(
             self.step,
             self.skeleton,

@@ -66,6 +66,16 @@ def _files(shm_dir: Path) -> list[str]:
     return sorted(p.name for p in shm_dir.rglob("*") if p.is_file())
 
 
+def _committed(shm_dir: Path) -> list[int]:
+    """Steps whose marker vouches for its buffer as it is now (a marker of an older generation does not)."""
+    steps = []
+    for buffer in shm_dir.rglob("buf-*.bin"):
+        info = shm._read_marker(buffer.with_suffix(".json"), buffer)
+        if info is not None:
+            steps.append(int(info["step"]))
+    return sorted(steps)
+
+
 def test_a_restarted_process_restores_the_newest_whole_step_without_disk(
     tmp_path: Path, as_dead_process: Callable[[], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -96,7 +106,7 @@ def test_restored_tensors_are_copies_and_the_step_stays_until_a_newer_one_is_com
     manager.on_step(4, state_at(4))
     manager.wait_snapshot()
     assert manager.memory_steps() == [4]  # step 3 of the dead process is gone, superseded
-    assert sum(name.endswith(".json") for name in _files(tmp_path)) == 1
+    assert _committed(tmp_path) == [4]
 
 
 def test_a_buffer_without_its_marker_is_never_taken_for_a_step(
@@ -111,17 +121,21 @@ def test_a_buffer_without_its_marker_is_never_taken_for_a_step(
     copier = manager._pool._copier
     copier.submit(blocker := _blocked(gate))  # the copier thread is busy: the next copy stays in flight
     manager.on_step(2, state_at(2), overlap=lambda t: True)
-    markers = {json.loads(p.read_text())["step"] for p in tmp_path.rglob("*.json")}
-    assert markers == {1}, "step 2's marker was written before its copy landed"
+    assert _committed(tmp_path) == [1], "step 2's marker was written before its copy landed"
     # the process dies here; its torn buffer of step 2 has no marker
     monkeypatch.undo()
-    restarted = _manager(tmp_path)
-    assert restarted.memory_steps() == [1]
-    restored = restarted.restore()
-    assert restored is not None and restored.step == 1
-    assert_state_equal(restored.state, make_state(1))
+    _restart_restores(tmp_path, [1])
     gate.set()
     blocker.done.wait(10)
+
+
+def _restart_restores(shm_dir: Path, held: list[int]) -> None:
+    """A restarted process finds ``held`` in shared memory and restores the newest, exactly."""
+    restarted = _manager(shm_dir)
+    assert restarted.memory_steps() == held
+    restored = restarted.restore()
+    assert restored is not None and restored.step == held[-1]
+    assert_state_equal(restored.state, make_state(held[-1]))
 
 
 def _blocked(gate: threading.Event) -> snapshot._CopyJob:
@@ -129,6 +143,25 @@ def _blocked(gate: threading.Event) -> snapshot._CopyJob:
     job = snapshot._CopyJob([])
     job.then.append(lambda: gate.wait(30))
     return job
+
+
+def test_the_marker_of_a_buffer_written_again_never_vouches_for_it(
+    tmp_path: Path, as_dead_process: Callable[[], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Buffers are reused: the one being written for step 4 still has its marker of step 2 on disk, of an older
+    generation. A kill now leaves step 3 as the newest whole step, never 2 nor 4."""
+    as_dead_process()
+    manager = _manager(tmp_path, keep=1)
+    for step in (1, 2, 3):
+        manager.on_step(step, state_at(step), overlap=lambda t: True)
+        manager.wait_snapshot()
+    markers = {json.loads(p.read_text())["step"] for p in tmp_path.rglob("*.json")}
+    assert markers == {2, 3}  # step 2 was evicted: its marker is still there, vouching for nothing
+    manager._pool._copier.submit(_blocked(gate := threading.Event()))
+    manager.on_step(4, state_at(4), overlap=lambda t: True)
+    monkeypatch.undo()
+    _restart_restores(tmp_path, [3])
+    gate.set()
 
 
 def test_the_marker_goes_before_a_buffer_is_written_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,7 +175,8 @@ def test_the_marker_goes_before_a_buffer_is_written_again(tmp_path: Path, monkey
             arena = slot.arena
             if arena is not None and arena.segment is not None:
                 start = arena.data.data_ptr()
-                if start <= dst.data_ptr() < start + arena.nbytes and arena.segment.marker.exists():
+                inside = start <= dst.data_ptr() < start + arena.nbytes
+                if inside and shm._read_marker(arena.segment.marker, arena.segment.path) is not None:
                     return arena.segment.marker
         return None
 
@@ -157,7 +191,7 @@ def test_the_marker_goes_before_a_buffer_is_written_again(tmp_path: Path, monkey
         manager.on_step(step, state_at(step), overlap=(lambda t: True) if step % 2 else None)
         manager.wait_snapshot()
     assert checked
-    assert [json.loads(p.read_text())["step"] for p in tmp_path.rglob("*.json")] == [6]
+    assert _committed(tmp_path) == [6]
 
 
 def test_steps_of_another_run_are_never_restored(
@@ -212,8 +246,7 @@ def test_a_crash_or_a_decided_stop_keeps_the_committed_steps(tmp_path: Path) -> 
     for step in (1, 2, 3):
         manager.on_step(step, state_at(step))
     manager.close()
-    markers = sorted(json.loads(p.read_text())["step"] for p in tmp_path.rglob("*.json"))
-    assert markers == [2, 3]
+    assert _committed(tmp_path) == [2, 3]
     # buffers nobody vouches for (the spare slots) are gone: what is left is bounded by keep
     assert sum(name.endswith(".bin") for name in _files(tmp_path)) == 2
 
@@ -248,7 +281,7 @@ def test_no_run_identity_keeps_process_memory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     _no_run_identity(monkeypatch)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         manager = _manager(tmp_path, run_id="")
     assert any("nothing identifies this run" in r.getMessage() for r in caplog.records)
     manager.on_step(1, state_at(1))
@@ -336,8 +369,18 @@ def test_a_process_killed_in_the_middle_of_a_copy_leaves_the_step_before(tmp_pat
     finally:
         proc.join(30)
     assert proc.exitcode == -signal.SIGKILL
-    manager = _manager(tmp_path)
-    assert manager.memory_steps() == [1]
-    restored = manager.restore()
-    assert restored is not None and restored.step == 1
-    assert_state_equal(restored.state, make_state(1))
+    _restart_restores(tmp_path, [1])
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_an_exception_saves_to_disk_only_what_shared_memory_does_not_already_keep(tmp_path: Path, shared: bool) -> None:
+    """After an exception (a rank-local emergency save) the newest snapshot goes to the local disk only when it lives
+    in process memory: in shared memory it already survives the process, and the process ends sooner."""
+    memory = MemoryTier(keep=2, shared_memory=shared, shm_dir=str(tmp_path / "shm"), run_id=RUN)
+    manager = CheckpointManager([memory, LocalTier(tmp_path / "disk", every_n_steps=100)])
+    manager.setup()
+    for step in (1, 2, 3):
+        manager.on_step(step, state_at(step))
+    assert manager.emergency_save() == 3
+    assert manager.steps()["local"] == ([] if shared else [3])
+    manager.close()

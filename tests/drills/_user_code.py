@@ -91,6 +91,8 @@ CHECKPOINTS = ("local", "tiered", "s3")
 ``resilience/checkpoint=tiered_s3`` (RAM, local disk and an S3 store, both every 10 steps)."""
 PERSIST_EVERY = 10  # the local tier's cadence in the default preset (configs/resilience/checkpoint/local.yaml)
 START_LIMIT_S = 20.0  # a submitted persist reaches the disk within milliseconds
+Restored = Callable[[Trainer], "int | tuple[int | None, str | None] | None"]
+"""The step an attempt restored (None: started fresh), or that step and the tier it came from."""
 
 
 # ---------------------------------------------------------------------------------------------- the user's code
@@ -294,10 +296,11 @@ class Fault(Callback):
 class Report(Callback):
     """Writes what this attempt restored and where it ended, as a small JSON file.
 
-    ``restored`` gives the restored step (None: started fresh); by default a run that starts past step 0 restored it.
+    ``restored`` gives the restored step (None: started fresh), or the step and the tier it came from; by default a
+    run that starts past step 0 restored it.
     """
 
-    def __init__(self, path: Path, report: dict[str, Any], restored: Callable[[Trainer], int | None] | None = None):
+    def __init__(self, path: Path, report: dict[str, Any], restored: Restored | None = None):
         self.path, self.report = path, report
         self.restored = restored or (lambda trainer: trainer.global_step or None)
 
@@ -308,7 +311,9 @@ class Report(Callback):
         os.replace(tmp, self.path)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.report.update(restored_step=self.restored(trainer), start_step=trainer.global_step)
+        restored = self.restored(trainer)
+        step, source = restored if isinstance(restored, tuple) else (restored, None)
+        self.report.update(restored_step=step, restored_from=source, start_step=trainer.global_step)
         self._write()
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
@@ -338,7 +343,7 @@ def parse(argv: list[str], description: str) -> argparse.Namespace:
 
 def drill_callbacks(
     args: argparse.Namespace,
-    restored: Callable[[Trainer], int | None] | None = None,
+    restored: Restored | None = None,
     *elsewhere: Callable[[], dict[int, list[int]]],
 ) -> list[Any]:
     """This attempt's report, and the fault when this launch's first attempt is the one to hit. ``elsewhere`` list

@@ -257,9 +257,9 @@ def arm_snapshot_stall(fault: Fault, extra: list[Callback]) -> None:
     extra.append(_ArmAt(fault.step, armed))
 
 
-def _restored(trainer: Trainer) -> int | None:
+def _restored(trainer: Trainer) -> tuple[int | None, str | None]:
     checkpoint = Suite.of(trainer).checkpoint
-    return checkpoint.stats.restored_step if checkpoint is not None else None
+    return (checkpoint.stats.restored_step, checkpoint.stats.restored_from) if checkpoint is not None else (None, None)
 
 
 def main(argv: list[str]) -> int:
