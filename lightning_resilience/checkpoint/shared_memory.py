@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import mmap
@@ -53,6 +54,7 @@ __all__ = [
     "resolve_run_key",
     "scan",
     "sweep_stale_runs",
+    "vouches",
 ]
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ _HEAD = struct.Struct("<8sQ")
 _MAGIC = b"LRSHM\x00v1"
 _BUFFER = re.compile(r"^buf-(\d+)-(\d+)-(\d+)\.bin$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+_SEGMENTS = itertools.count()
 
 
 # ----------------------------------------------------------------------------------------------- run identity
@@ -143,23 +146,22 @@ class Segment:
     Args:
         directory: the rank's directory (created if missing).
         nbytes: size of the buffer.
-        index: distinguishes this process's buffers.
         pin: register the mapping with CUDA (page-locked, for asynchronous device-to-host copies).
 
     Raises:
         OSError: the filesystem has no room (``posix_fallocate``), or the directory cannot be written.
     """
 
-    def __init__(self, directory: Path, nbytes: int, index: int, *, pin: bool = False) -> None:
+    def __init__(self, directory: Path, nbytes: int, *, pin: bool = False) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         pid, started = process_identity()
-        self.path = directory / f"buf-{pid}-{started}-{index}.bin"
+        self.path = directory / f"buf-{pid}-{started}-{next(_SEGMENTS)}.bin"  # never another buffer's name
         self.marker = self.path.with_suffix(".json")
         self.nbytes = nbytes
         self._lock = threading.Lock()
         self._generation = 0
         self._pinned = False
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, HEADER + nbytes)  # the pages exist now: a full tmpfs is an error here
             self._map = mmap.mmap(fd, HEADER + nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -304,6 +306,11 @@ def held_steps(shm_dir: Path, run_key: str) -> dict[int, list[int]]:
             if info is not None:
                 out.setdefault(int(info["step"]), set()).add(rank)
     return {step: sorted(ranks) for step, ranks in sorted(out.items())}
+
+
+def vouches(held: Held) -> bool:
+    """``held``'s marker still vouches for its buffer (both there, the same generation)."""
+    return _read_marker(held.marker, held.data) is not None
 
 
 def map_held(held: Held) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

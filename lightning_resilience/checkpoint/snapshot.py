@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from lightning_resilience.checkpoint import host_copy
+from lightning_resilience.checkpoint.host_copy import Copier, CopyJob
 from lightning_resilience.checkpoint.shard_writer import FilePlan
 from lightning_resilience.checkpoint.tree import FlatState, TensorSpec
 
@@ -131,111 +133,6 @@ class ProcessBuffers:
         return HostArena(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))
 
 
-class _CopyJob:
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], event: torch.cuda.Event | None = None) -> None:
-        self.pairs = pairs
-        self.event = event
-        self.then: list[Callable[[], None]] = []
-        self.sealed = False
-        """Set by the copier once it has run every callback: a later one runs on the caller."""
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-    def wait(self, timeout: timedelta) -> None:
-        if not self.done.wait(timeout.total_seconds()):
-            raise TimeoutError(f"host snapshot copy did not finish within {timeout}")
-        if self.error is not None:
-            raise RuntimeError(f"host snapshot copy failed: {self.error}") from self.error
-
-
-class _Copier:
-    """One owned thread that copies into host buffers while the training thread runs the next step, and runs what
-    must follow a copy (a shared-memory snapshot's marker) once it has landed.
-
-    ``Tensor.copy_`` releases the GIL, so the copy really runs beside the forward and backward passes.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._queue: list[_CopyJob] = []
-        self._closed = False
-        self._thread: threading.Thread | None = None
-
-    def submit(self, job: _CopyJob) -> _CopyJob:
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("snapshot copier is closed")
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="lr-snapshot-copy", daemon=True)
-                self._thread.start()
-            self._queue.append(job)
-            self._cond.notify_all()
-        return job
-
-    def then(self, job: _CopyJob, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once ``job`` has landed: on the copier thread, or here if it already has."""
-        with self._cond:
-            if not job.sealed:
-                job.then.append(callback)
-                return
-        job.done.wait()  # sealed: its callbacks have run, done is being set
-        if job.error is None:
-            callback()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                job = self._queue.pop(0)
-            try:
-                _copy_pairs(job.pairs)
-                if job.event is not None:
-                    job.event.synchronize()
-            except BaseException as err:  # surfaced by job.wait() on the training thread
-                job.error = err
-            while True:  # what follows the copy runs before done: whoever waits for the copy finds it done too
-                with self._cond:
-                    if not job.then:
-                        job.sealed = True
-                        break
-                    then, job.then = job.then, []
-                if job.error is None:
-                    for callback in then:
-                        _run_quietly(callback)
-            job.done.set()
-
-    def close(self, timeout: timedelta) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout.total_seconds())
-
-
-def _run_quietly(callback: Callable[[], None]) -> None:
-    try:
-        callback()
-    except Exception:  # what follows a copy (a marker) is best effort: the snapshot itself is intact
-        log.exception("after a snapshot copy: %s failed", callback)
-
-
-def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for each pair, in one call into torch where the pairs allow it (a per-tensor Python loop
-    costs about a microsecond a tensor, a few hundred tensors a step)."""
-    if not pairs:
-        return
-    dsts = [d for d, _ in pairs]
-    srcs = [s for _, s in pairs]
-    try:
-        torch._foreach_copy_(dsts, srcs)
-    except (RuntimeError, TypeError):  # mixed devices or layouts: one by one
-        for dst, src in pairs:
-            dst.copy_(src)
-
-
 def _split(
     flat: FlatState, overlap: Callable[[torch.Tensor], bool] | None
 ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
@@ -260,8 +157,8 @@ class HostSnapshot:
         self._signature: tuple[Any, ...] = ()
         self._nbytes = 0
         self._event: torch.cuda.Event | None = None
-        self._job: _CopyJob | None = None
-        self._copier: _Copier | None = None
+        self._job: CopyJob | None = None
+        self._copier: Copier | None = None
         self.generation = 0
         """Changes with every copy into this slot (see :meth:`when_copied`)."""
         self.step = -1
@@ -306,7 +203,7 @@ class HostSnapshot:
         stream: torch.cuda.Stream | None,
         *,
         overlap: Callable[[torch.Tensor], bool] | None = None,
-        copier: _Copier | None = None,
+        copier: Copier | None = None,
     ) -> None:
         """Copy ``flat``'s tensors into this slot.
 
@@ -349,8 +246,8 @@ class HostSnapshot:
             background = copier is not None and overlap is not None
             for name, src in flat.tensors.items():
                 (deferred if background and overlap(src) else at_once).append((self._buffers[name], src))  # type: ignore[misc]
-            _copy_pairs(at_once)
-            self._job = copier.submit(_CopyJob(deferred)) if deferred and copier is not None else None
+            host_copy.copy_pairs(at_once)
+            self._job = copier.submit(CopyJob(deferred)) if deferred and copier is not None else None
         self.step = step
         self.skeleton = flat.skeleton
         self.meta = dict(meta)
@@ -367,7 +264,7 @@ class HostSnapshot:
         not act on a later copy compares :attr:`generation` with the one it saw."""
         job, event, copier = self._job, self._event, self._copier
         if event is not None and copier is not None:
-            waiter = _CopyJob([], event)
+            waiter = CopyJob([], event)
             waiter.then.append(callback)
             copier.submit(waiter)
         elif job is not None and copier is not None:
@@ -450,7 +347,7 @@ class SnapshotPool:
         self._slots: list[HostSnapshot] = []
         self._cond = threading.Condition()
         self._stream: torch.cuda.Stream | None = torch.cuda.Stream() if torch.cuda.is_available() else None
-        self._copier = _Copier()
+        self._copier = Copier()
         self._inflight: HostSnapshot | None = None
         self._buffers = buffers or ProcessBuffers()
 

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import torch
 
-from lightning_resilience.checkpoint import snapshot
+from lightning_resilience.checkpoint import host_copy
 from lightning_resilience.checkpoint.manager import CheckpointManager
 from lightning_resilience.checkpoint.memory import MemoryTier
 
@@ -20,7 +20,7 @@ class GatedCopier:
         self.gate = threading.Event()
         self.copied = threading.Event()
 
-    def submit(self, job: snapshot._CopyJob) -> snapshot._CopyJob:
+    def submit(self, job: host_copy.CopyJob) -> host_copy.CopyJob:
         def run() -> None:
             self.gate.wait(30)
             for dst, src in job.pairs:
@@ -34,7 +34,7 @@ class GatedCopier:
         threading.Thread(target=run, daemon=True).start()
         return job
 
-    def then(self, job: snapshot._CopyJob, callback: Callable[[], None]) -> None:
+    def then(self, job: host_copy.CopyJob, callback: Callable[[], None]) -> None:
         job.then.append(callback)
 
     def close(self, timeout: timedelta) -> None:

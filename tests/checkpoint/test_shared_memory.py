@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_resilience.checkpoint import host_copy
 from lightning_resilience.checkpoint import shared_memory as shm
-from lightning_resilience.checkpoint import snapshot
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.manager import CheckpointManager
 from lightning_resilience.checkpoint.memory import MemoryTier
@@ -138,9 +138,9 @@ def _restart_restores(shm_dir: Path, held: list[int]) -> None:
     assert_state_equal(restored.state, make_state(held[-1]))
 
 
-def _blocked(gate: threading.Event) -> snapshot._CopyJob:
+def _blocked(gate: threading.Event) -> host_copy.CopyJob:
     """A copier job that holds the copier thread until ``gate`` opens."""
-    job = snapshot._CopyJob([])
+    job = host_copy.CopyJob([])
     job.then.append(lambda: gate.wait(30))
     return job
 
@@ -166,7 +166,7 @@ def test_the_marker_of_a_buffer_written_again_never_vouches_for_it(
 
 def test_the_marker_goes_before_a_buffer_is_written_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     manager = _manager(tmp_path, keep=1)
-    copy_pairs = snapshot._copy_pairs
+    copy_pairs = host_copy.copy_pairs
     checked: list[int] = []
 
     def vouched(dst: torch.Tensor) -> Path | None:
@@ -186,7 +186,7 @@ def test_the_marker_goes_before_a_buffer_is_written_again(tmp_path: Path, monkey
             checked.append(1)
         copy_pairs(pairs)
 
-    monkeypatch.setattr(snapshot, "_copy_pairs", checking_copy)
+    monkeypatch.setattr(host_copy, "copy_pairs", checking_copy)
     for step in range(1, 7):
         manager.on_step(step, state_at(step), overlap=(lambda t: True) if step % 2 else None)
         manager.wait_snapshot()

@@ -32,7 +32,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.utils.data import DataLoader
 
 from lightning_resilience import DecidedExit, LocalTier, MemoryTier, RemoteTier, Suite, TieredCheckpoint
-from lightning_resilience.checkpoint import snapshot
+from lightning_resilience.checkpoint import host_copy
 from lightning_resilience.checkpoint.layout import parse_step
 from lightning_resilience.checkpoint.shared_memory import held_steps, rank_directory, resolve_run_key
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
@@ -242,7 +242,7 @@ class _ArmAt(Callback):
 def arm_snapshot_stall(fault: Fault, extra: list[Callback]) -> None:
     """Make the background copy of step ``--fault-step``'s snapshot stall after half of its tensors (the fault then
     kills the rank while that copy is in flight)."""
-    copy_pairs, armed = snapshot._copy_pairs, threading.Event()
+    copy_pairs, armed = host_copy.copy_pairs, threading.Event()
 
     def stalling(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if armed.is_set() and threading.current_thread().name == "lr-snapshot-copy":
@@ -253,7 +253,7 @@ def arm_snapshot_stall(fault: Fault, extra: list[Callback]) -> None:
             threading.Event().wait(HANG_LIMIT_S)
         copy_pairs(pairs)
 
-    snapshot._copy_pairs = stalling  # type: ignore[assignment]
+    host_copy.copy_pairs = stalling  # type: ignore[assignment]
     extra.append(_ArmAt(fault.step, armed))
 
 
