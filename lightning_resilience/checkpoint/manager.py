@@ -406,11 +406,11 @@ class CheckpointManager:
             return
         self._closed = True
         self._pool.close(self.config.snapshot_timeout)
-        for tier in self._memory:
-            tier.close(keep=not finished)
         drained = self._worker.close(timeout or self.config.drain_timeout)
         if not drained:
             log.error("checkpoint persist did not finish within %s; its step is not committed", timeout)
+        for tier in self._memory:  # after the persist: it may still read a buffer in shared memory
+            tier.close(keep=not finished)
         self._writer.close(self.config.snapshot_timeout)
         self.collect()
         if self._failure is not None:  # never reported at an agreement: rank-local from here on

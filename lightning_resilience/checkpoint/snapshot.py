@@ -152,6 +152,7 @@ class HostSnapshot:
         self._source = buffers or ProcessBuffers()
         self.arena: HostArena | None = None
         self._buffers: dict[str, torch.Tensor] = {}
+        self._exposed: dict[str, torch.Tensor] = {}
         self.offsets: dict[str, int] = {}
         """Where each tensor starts in the arena (bytes)."""
         self._signature: tuple[Any, ...] = ()
@@ -184,13 +185,18 @@ class HostSnapshot:
             if self.arena is not None:
                 self.arena.release()
             self.arena = self._source.allocate(total, pin=self._pin)
-        arena = self.arena.data
-        self._buffers = {}
+        arena, memory = self.arena.data, self.arena.data.numpy()
+        self._buffers, self._exposed = {}, {}
         for name, t in flat.tensors.items():
             start, size = offsets[name], t.numel() * t.element_size()
-            self._buffers[name] = (
-                arena[start : start + size].view(t.dtype).view(t.shape) if size else torch.empty(t.shape, dtype=t.dtype)
-            )
+            if not size:
+                self._buffers[name] = self._exposed[name] = torch.empty(t.shape, dtype=t.dtype)
+                continue
+            # copies go into views of the arena (a pinned arena stays pinned to the copy engine); what the slot hands
+            # out has a storage of its own over the same bytes, as a plain tensor has: a consumer that reads a
+            # tensor's storage (torch.set_rng_state, torch.save) sees this tensor and nothing around it
+            self._buffers[name] = arena[start : start + size].view(t.dtype).view(t.shape)
+            self._exposed[name] = torch.from_numpy(memory[start : start + size]).view(t.dtype).view(t.shape)
         self.offsets = offsets
         self._nbytes = sum(b.numel() * b.element_size() for b in self._buffers.values())
         self.reallocations += 1
@@ -310,7 +316,7 @@ class HostSnapshot:
         return StagedSnapshot(
             self.step,
             self.skeleton,
-            dict(self._buffers),
+            dict(self._exposed),
             dict(self.meta),
             shared=shared,
             writer=writer if shared else None,

@@ -138,8 +138,10 @@ def test_reallocations_count_layout_changes_and_reuse_an_arena_that_fits() -> No
     pool.release(slot)
 
 
-def test_every_buffer_of_a_slot_is_an_aligned_view_of_one_arena() -> None:
-    """One allocation per slot; each tensor starts on a 64-byte boundary of it (any dtype may view it)."""
+def test_every_buffer_of_a_slot_is_an_aligned_part_of_one_arena_with_a_storage_of_its_own() -> None:
+    """One allocation per slot; each tensor starts on a 64-byte boundary of it (any dtype may view it), and what the
+    slot hands out has a storage of exactly its own bytes (as a plain tensor has: torch.set_rng_state and torch.save
+    read the storage)."""
     pool = SnapshotPool(max_slots=2)
     state = {
         "a": torch.ones(3, dtype=torch.bfloat16),
@@ -152,10 +154,14 @@ def test_every_buffer_of_a_slot_is_an_aligned_view_of_one_arena() -> None:
     base = slot.arena.data.data_ptr()
     for name, buf in _buffers(slot).items():
         if buf.numel():
-            assert buf.untyped_storage().data_ptr() == base
-            assert (buf.data_ptr() - base) == slot.offsets[name] and slot.offsets[name] % 64 == 0
+            assert buf.untyped_storage().data_ptr() == buf.data_ptr() == base + slot.offsets[name]
+            assert buf.untyped_storage().nbytes() == buf.numel() * buf.element_size()
+            assert slot.offsets[name] % 64 == 0
         assert torch.equal(buf, state[name])
     pool.release(slot)
+    rng = pool.capture(2, flatten_state({"pad": torch.ones(3), "rng": torch.get_rng_state()}), {}, timeout=WAIT)
+    torch.set_rng_state(rng.view().tensors["rng"])  # not at the arena's start, as a restore hands it over
+    pool.release(rng)
 
 
 def test_capture_reuses_the_oldest_free_slot() -> None:
