@@ -194,3 +194,32 @@ def test_a_writer_that_dies_in_the_middle_of_a_request_is_noticed_at_once(
     killer.join(30)
     assert err.value.errno == errno.EIO and "exit code -9" in str(err.value)
     assert time.monotonic() - start < 30 < WAIT.total_seconds()
+
+
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_an_error_in_the_writer_process_reaches_the_training_thread(tmp_path: Path, policy: str) -> None:
+    """The writer process fails a write (its segment is gone: ENOENT there): the persist records the failure, and with
+    ``on_persist_error=raise`` every rank raises it at the next persist agreement, on the training thread."""
+    from lightning_resilience.checkpoint.config import CheckpointConfig
+    from lightning_resilience.checkpoint.errors import CheckpointWorkerError
+
+    tier = MemoryTier(keep=2, shared_memory=True, shm_dir=str(tmp_path / "shm"), run_id="e")
+    config = CheckpointConfig(on_persist_error=policy)
+    manager = CheckpointManager([tier, LocalTier(tmp_path / "disk", every_n_steps=2)], config)
+    manager.setup()
+    write_files = manager._writer.write_files
+    manager._writer.write_files = lambda directory, segment, *rest: write_files(  # type: ignore[method-assign]
+        directory, tmp_path / "gone", *rest
+    )
+    manager.on_step(1, state_at(1))
+    manager.on_step(2, state_at(2))
+    manager.wait(hold_failure=True)
+    manager.on_step(3, state_at(3))
+    assert manager.stats.tiers["local"].failures == 1
+    assert "No such file or directory" in str(manager.stats.tiers["local"].last_error)
+    if policy == "raise":
+        with pytest.raises(CheckpointWorkerError, match=r"failed on rank\(s\) \[0\]"):
+            manager.on_step(4, state_at(4))
+    else:
+        manager.on_step(4, state_at(4))
+    manager.close(finished=True)
