@@ -1,14 +1,14 @@
 """Snapshot buffers in node-local shared memory, so that the newest snapshots outlive the worker process.
 
-A rank's buffers are files under ``<shm_dir>/lightning_resilience/<run key>/rank_NNNNN/`` (``/dev/shm`` by default,
-a RAM-backed tmpfs), each mapped once into the training process and reused from step to step: the snapshot copy
-writes straight into them, so keeping a step in shared memory costs no copy beyond the snapshot itself. A buffer
-holds one step once a small *marker* (``<buffer>.json``: step, tensor layout, skeleton, metadata, and the buffer's
-*generation*) is committed next to it, after its copy has landed (written under a temporary name, then renamed).
-Before the buffer is written again its generation, kept in the buffer's own header, is bumped: a store to memory,
-no system call on the training thread, and from then on the marker names a generation the buffer no longer has. A
-process killed at any instant therefore leaves every buffer either whole with a marker of its generation, or with
-none, never a torn snapshot that looks whole.
+A rank's buffers are files under ``<shm_dir>/lightning_resilience_snapshots/<run key>/rank_NNNNN/`` (``/dev/shm``
+by default, a RAM-backed tmpfs), each mapped once into the training process and reused from step to step: the
+snapshot copy writes straight into them, so keeping a step in shared memory costs no copy beyond the snapshot
+itself. A buffer holds one step once a small *marker* (``<buffer>.json``: step, tensor layout, skeleton, metadata,
+and the buffer's *generation*) is committed next to it, after its copy has landed (written under a temporary name,
+then renamed). Before the buffer is written again its generation, kept in the buffer's own header, is bumped: a
+store to memory, no system call on the training thread, and from then on the marker names a generation the buffer
+no longer has. A process killed at any instant therefore leaves every buffer either whole with a marker of its
+generation, or with none, never a torn snapshot that looks whole.
 
 A restarted worker on the same node (same run key, same rank) finds the marked buffers of its dead predecessor
 (:func:`scan`) and maps them read-only to restore. The run key names the run across restarts
@@ -60,7 +60,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FORMAT = "lightning_resilience/shm-v1"
-SUBDIR = "lightning_resilience"
+SUBDIR = "lightning_resilience_snapshots"
+"""Under the shared-memory directory: one directory per run key (the peer tier's ``lightning_resilience/`` is apart)."""
+_RUN_KEY = re.compile(r"^(run|launch|slurm|torchelastic|agent)-[A-Za-z0-9_.-]*-[0-9a-f]{16}$")
 STALE_AFTER_S = 600.0
 """Buffers of another run are removed only when no process that wrote them is alive and the newest of them is older
 than this: a job of another run restarting on the same node keeps its buffers across its restart gap."""
@@ -374,8 +376,8 @@ def sweep_stale_runs(shm_dir: Path, keep: str, *, now: float | None = None) -> l
     now = time.time() if now is None else now
     removed = []
     for run in root.iterdir():
-        if run.name == keep or not run.is_dir():
-            continue
+        if run.name == keep or not run.is_dir() or not _RUN_KEY.match(run.name):
+            continue  # only what this module names: never another directory that happens to be there
         try:
             files = [f for rank in run.iterdir() if rank.is_dir() for f in rank.iterdir()]
             newest = max((f.stat().st_mtime for f in files), default=run.stat().st_mtime)

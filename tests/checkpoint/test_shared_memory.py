@@ -216,9 +216,11 @@ def test_steps_of_another_world_size_are_removed(
 
 
 def test_stale_runs_are_swept_only_once_dead_and_old(tmp_path: Path) -> None:
-    live = shm.rank_directory(tmp_path, "live-run", 0)
-    stale = shm.rank_directory(tmp_path, "stale-run", 0)
-    fresh = shm.rank_directory(tmp_path, "fresh-run", 0)
+    live = shm.rank_directory(tmp_path, shm.resolve_run_key("live")[0], 0)  # type: ignore[index]
+    stale = shm.rank_directory(tmp_path, shm.resolve_run_key("stale")[0], 0)  # type: ignore[index]
+    fresh = shm.rank_directory(tmp_path, shm.resolve_run_key("fresh")[0], 0)  # type: ignore[index]
+    foreign = tmp_path / shm.SUBDIR / "not-ours"  # a directory this module did not name: never touched
+    foreign.mkdir(parents=True)
     pid, started = shm.process_identity()
     for directory, owner in ((live, f"{pid}-{started}"), (stale, f"{DEAD[0]}-1"), (fresh, f"{DEAD[0]}-1")):
         directory.mkdir(parents=True)
@@ -229,6 +231,7 @@ def test_stale_runs_are_swept_only_once_dead_and_old(tmp_path: Path) -> None:
     removed = shm.sweep_stale_runs(tmp_path, keep="mine", now=old + shm.STALE_AFTER_S + 1)
     assert removed == [stale.parent]
     assert live.exists() and fresh.exists()  # a live writer; a run that died a moment ago (it may restart)
+    assert foreign.exists()
 
 
 def test_a_finished_job_leaves_nothing_behind(tmp_path: Path) -> None:
@@ -237,8 +240,8 @@ def test_a_finished_job_leaves_nothing_behind(tmp_path: Path) -> None:
         manager.on_step(step, state_at(step))
     manager.wait()
     manager.close(finished=True)
-    assert _files(tmp_path / "lightning_resilience") == []
-    assert not any((tmp_path / "lightning_resilience").iterdir())
+    assert _files(tmp_path / shm.SUBDIR) == []
+    assert not any((tmp_path / shm.SUBDIR).iterdir())
 
 
 def test_a_crash_or_a_decided_stop_keeps_the_committed_steps(tmp_path: Path) -> None:
