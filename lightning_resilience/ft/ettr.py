@@ -169,7 +169,7 @@ def describe_restart(cost: Mapping[str, Any]) -> str:
     parts = cost.get("parts") or {}
     shares = ", ".join(
         f"{name.replace('_', ' ')} {seconds:.2f}s ({100 * seconds / total:.0f}%)"
-        for name, seconds in parts.items()
+        for name, seconds in ((n, parts.get(n)) for n in RESTART_PARTS)  # in order: a JSON file may sort its keys
         if isinstance(seconds, int | float) and seconds > 0 and total > 0
     )
     source = f" from {cost['restored_from']!r}" if cost.get("restored_from") else ""
