@@ -28,6 +28,7 @@ __all__ = [
     "fmt_ratio",
     "finish_load",
     "load_line",
+    "load_note",
     "machine_info",
     "md_table",
     "now_iso",
@@ -37,10 +38,12 @@ __all__ = [
     "report",
     "result_header",
     "state_tensors",
+    "run_and_publish",
     "summarize",
     "tail_key",
     "target",
     "unfit_reason",
+    "targets_table",
     "write_json",
     "GPTWorkload",
     "StepClock",
@@ -234,6 +237,45 @@ def target(name: str, value: float | None, op: str, threshold: float, unit: str 
         "verdict": "PASS" if ok else "MISS",
         "note": note,
     }
+
+
+def run_and_publish(
+    argv: Sequence[str] | None,
+    parse: Callable[[Sequence[str]], Any],
+    run: Callable[[Any, Sequence[str]], dict[str, Any]],
+    render: Callable[[dict[str, Any]], str],
+    default_out: str,
+) -> int:
+    """A benchmark module's ``main``: parse ``argv`` (the command line when None), run, print the Markdown, and write
+    the result to ``--out`` (a ``--quick`` smoke run only to a file named explicitly, never the published one)."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    args = parse(args_list)
+    result = run(args, args_list)
+    print_flush(render(result))
+    if not args.quick or args.out != default_out:
+        write_json(args.out, result)
+        print_flush(f"wrote {args.out}")
+    return 0
+
+
+def load_note(result: dict[str, Any]) -> str:
+    """How loaded the machine was when a result was taken: its load averages at start and end."""
+    machine = result.get("machine") or {}
+    return f"load average at start and end {machine.get('loadavg_at_start')} / {machine.get('loadavg_at_end')}"
+
+
+def targets_table(targets: Sequence[dict[str, Any]], digits: int = 3) -> str:
+    """The Markdown table of :func:`target` results: name, value, goal, verdict."""
+    rows = [
+        [
+            t["name"],
+            "n/a" if t["value"] is None else f"{t['value']:.{digits}f}{t['unit']}",
+            f"{t['op']} {t['threshold']}",
+            t["verdict"],
+        ]
+        for t in targets
+    ]
+    return md_table(["target", "value", "goal", "verdict"], rows)
 
 
 def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:

@@ -1,5 +1,7 @@
 """lightning_resilience: make Lightning training survive the failures of large clusters."""
 
+from typing import TYPE_CHECKING, Any
+
 from lightning_resilience._version import __version__
 from lightning_resilience.checkpoint import (
     CheckpointCorruptError,
@@ -38,9 +40,22 @@ from lightning_resilience.lightning import (
     Suite,
     TieredCheckpoint,
 )
-from lightning_resilience.report import ResilienceReport
 from lightning_resilience.rollback import RollbackConfig
 from lightning_resilience.sdc import SilentDataCorruptionError
+
+if TYPE_CHECKING:
+    from lightning_resilience.report import ResilienceReport
+
+
+def __getattr__(name: str) -> Any:
+    # the report (rich, the simulator, the launcher's records) is read at the end of a run: a restarted worker does
+    # not pay for its import before its first step
+    if name == "ResilienceReport":
+        from lightning_resilience.report import ResilienceReport
+
+        return ResilienceReport
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # the former per-module constants: the values of ExitCode, kept importable
 HANG_EXIT_CODE = int(ExitCode.HANG)

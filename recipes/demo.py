@@ -1,6 +1,7 @@
 """`make demo`: train a small GPT on 2 ranks under `lightning-resilience launch` (torchrun underneath, the static
 rendezvous users type), SIGKILL a rank mid-run, let the launcher restart the job, resume automatically from the
-newest valid checkpoint, and print what was saved, restored, what it cost, and what the launcher recorded."""
+newest step every rank holds (the snapshots in shared memory outlive the killed processes), and print what was
+saved, restored, what it cost, and what the launcher recorded."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from lightning_resilience.ft.ettr import describe_restart
 from lightning_resilience.launch.records import AttemptRecord, read_records
 
 RUN_DIR = Path(os.environ.get("DEMO_RUN_DIR", "runs/demo"))
@@ -101,6 +103,8 @@ def explain_restarts(run_dir: Path) -> None:
         print(f"attempt {attempt['attempt']} ended: {attempt['headline']}")
         for victim in (attempt.get("victims") or [])[:4]:
             print(f"           victim: rank {victim['rank']}: {victim['brief']}")
+    for cost in (report.get("timeline") or {}).get("ettr", {}).get("restart_costs") or []:
+        print(f"restart {cost['attempt']}: {describe_restart(cost)}")
     timeline = run_dir / "timeline.png"
     print(f"goodput timeline: {timeline}" if timeline.is_file() else "no timeline picture (matplotlib not installed)")
     print(f"full report: {path} (again: lightning-resilience report {run_dir})")

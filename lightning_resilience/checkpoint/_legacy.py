@@ -1,7 +1,8 @@
 """Tiers written against the protocol of earlier versions, adapted once (with a DeprecationWarning).
 
 Before, a tier's ``durability`` was an int (0 RAM, 1 node, 2 remote), ``write`` returned nothing and took no
-deadline, and ``collective``/``reshard_root`` did not exist. The only probing of a tier's members in the engine is
+deadline, and ``collective``/``reshard_root`` did not exist; later ``ram`` did not (a RAM tier was one of process
+durability). The only probing of a tier's members in the engine is
 here, at construction, for such a tier.
 """
 
@@ -13,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_resilience.checkpoint.snapshot import HostSnapshot, StagedSnapshot
+from lightning_resilience.checkpoint.snapshot import HostBuffers, HostSnapshot, ProcessBuffers, StagedSnapshot
 from lightning_resilience.checkpoint.tier import Durability, Tier, TierIdentity, Written
 from lightning_resilience.collective import Deadline
 
@@ -25,12 +26,14 @@ _INT_DURABILITY = {0: Durability.process, 1: Durability.host, 2: Durability.remo
 def conform(tier: Any) -> Tier:
     """``tier`` itself when it implements today's :class:`Tier`; an adapter (and a DeprecationWarning) when it
     implements the earlier protocol."""
-    if isinstance(tier.durability, Durability) and hasattr(tier, "collective") and hasattr(tier, "reshard_root"):
+    current = isinstance(tier.durability, Durability) and hasattr(tier, "collective")
+    if current and hasattr(tier, "reshard_root") and hasattr(tier, "ram"):
         return tier  # type: ignore[no-any-return]
     warnings.warn(
         f"tier {getattr(tier, 'name', tier)!r} implements the Tier protocol of an earlier version (int durability, "
-        "write() returning nothing); give it a Durability, `collective = False`, `reshard_root()` and make write() "
-        "return a Written: the adapter will go in a later release",
+        "write() returning nothing, no `ram`); give it a Durability, `ram` (True for a tier that adopts snapshot "
+        "buffers), `collective = False`, `reshard_root()` and make write() return a Written: the adapter will go in "
+        "a later release",
         DeprecationWarning,
         stacklevel=3,
     )
@@ -45,7 +48,11 @@ class _LegacyTier:
         self.name: str = tier.name
         self.every_n_steps: int = tier.every_n_steps
         self.keep: int = tier.keep
-        self.durability = _INT_DURABILITY.get(int(tier.durability), Durability.host)
+        durability = tier.durability
+        self.durability = (
+            durability if isinstance(durability, Durability) else _INT_DURABILITY.get(int(durability), Durability.host)
+        )
+        self.ram = self.durability is Durability.process
         self._takes_deadline = "deadline" in inspect.signature(tier.write).parameters
 
     def __getattr__(self, name: str) -> Any:  # anything else the tier offers (take, adopt, root...)
@@ -80,3 +87,9 @@ class _LegacyTier:
     def adopt(self, slot: HostSnapshot, release: Callable[[HostSnapshot], None]) -> Written:
         self._tier.adopt(slot, release)
         return Written(slot.step, slot.nbytes)
+
+    def buffers(self, slots: int) -> HostBuffers:
+        return ProcessBuffers()
+
+    def close(self, *, keep: bool) -> None:
+        pass

@@ -7,7 +7,9 @@ Two modes, chosen by the caller and never mixed up:
   ranks agree on the step (the newest that every rank holds in RAM), and before each collective tier (peer
   exchange) they vote to write it together or not at all. Retention then keeps what every rank committed.
 * **rank-local** (after an exception, when other ranks may be dead or stuck): no collective is reachable. A
-  collective tier keeps only this rank's own copy (:meth:`PeerTier.write_local`), without exchanging.
+  collective tier keeps only this rank's own copy (:meth:`PeerTier.write_local`), without exchanging. A tier that
+  survives no more than the RAM tier already does (the local disk, when the snapshots are in shared memory) is
+  skipped: the step is already there for the restart, and the process ends sooner.
 
 Every write gets what is left of the budget as its deadline (a remote upload or a peer exchange stops at it, not
 at its own timeout); every agreement is bounded by the budget too, with a short floor so that a rank whose budget
@@ -90,8 +92,12 @@ class EmergencySave:
         protect = committed_everywhere(tier_views, [t.name for t in self.persistent])
         snap: StagedSnapshot | None = None
         saved = False
+        kept = max((t.durability.level for t in self.ram if step is not None and t.holds(step)), default=-1)
         for target in self.persistent:
             have = step is not None and step in mine.tiers[target.name]
+            if views is None and target.durability.level <= kept:
+                saved = True  # already where this tier would keep it: the RAM tier's shared memory
+                continue
             if target.collective and views is not None:
                 # every rank votes, whatever it holds: the exchange runs on all ranks or on none
                 wanted = together and step is not None and missing_anywhere(tier_views, target.name, step)

@@ -1,9 +1,10 @@
 """On-disk format of one rank's shard of one checkpoint, and its validation.
 
-A shard directory holds DCP files (tensors only), ``skeleton.json`` (the non-tensor state) and ``manifest.json``,
-written last: step, world size, rank layout, tensor specs, per-file size and xxh3-64 checksum, versions. A reader
-trusts a shard only after every file named by the manifest exists inside the directory with the recorded size and
-checksum. Nothing here unpickles arbitrary bytes: DCP's metadata is read by an allow-list unpickler.
+A shard directory holds DCP files (tensors only: ``__0_0.distcp`` and ``.metadata``, as ``dcp.save`` lays them out,
+written raw by :func:`write_shard`), ``skeleton.json`` (the non-tensor state) and ``manifest.json``, written last:
+step, world size, rank layout, tensor specs, per-file size and xxh3-64 checksum, versions. A reader trusts a shard
+only after every file named by the manifest exists inside the directory with the recorded size and checksum.
+Nothing here unpickles arbitrary bytes: DCP's metadata is read by an allow-list unpickler.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from lightning_resilience._version import __version__
+from lightning_resilience.checkpoint.dcp_layout import METADATA_FILE, shard_layout
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
+from lightning_resilience.checkpoint.shard_writer import write_data_files
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tree import TensorSpec
 
@@ -127,27 +130,66 @@ def write_shard(
 ) -> Manifest:
     """Write one rank's snapshot into ``directory`` (which must be new and private to the writer).
 
-    Every file is fsynced before the manifest is written; the manifest is fsynced last. The caller commits the
-    directory by renaming it (see :mod:`lightning_resilience.checkpoint.local`).
+    The tensors go raw into DCP-compatible files (:mod:`~lightning_resilience.checkpoint.dcp_layout`), checksummed
+    as they are written; a snapshot in shared memory with a writer process (``snap.writer``) is written by that
+    process, off this one's GIL. Every file is fsynced before the manifest is written; the manifest is fsynced
+    last. The caller commits the directory by renaming it (see :mod:`lightning_resilience.checkpoint.local`).
     """
-    directory.mkdir(parents=True, exist_ok=False)
-    if snap.tensors:
-        # DCP holds tensors only: its loader would unpickle non-tensor values without restriction
-        try:
-            dcp.save(
-                dict(snap.tensors),
-                storage_writer=FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=1),
-                no_dist=True,
-            )
-        except CheckpointException as err:
-            # DCP wraps its writer's errors in a BaseException subclass that no `except Exception/OSError` sees;
-            # re-raise a disk fault as the OSError it is, anything else as an ordinary exception
-            io_error = next((exc for exc, _ in err.failures.values() if isinstance(exc, OSError)), None)
-            if io_error is not None:
-                raise OSError(io_error.errno, io_error.strerror, io_error.filename) from err
-            causes = "; ".join(f"{type(exc).__name__}: {exc}" for exc, _ in err.failures.values())
-            raise RuntimeError(f"{directory}: writing tensors failed ({causes or err})") from err
-    return seal_shard(directory, snap, meta=snap.meta, rank=rank, world_size=world_size, rank_layout=rank_layout)
+    # DCP holds tensors only: its loader would unpickle non-tensor values without restriction
+    layout = shard_layout({n: TensorSpec(tuple(t.shape), t.dtype) for n, t in snap.tensors.items()})
+    plans = [layout.data] if snap.tensors else []
+    extra = {METADATA_FILE: layout.metadata_bytes()} if snap.tensors else {}
+    extra[SKELETON] = json.dumps(snap.skeleton, separators=(",", ":")).encode()
+    if snap.shared is not None and snap.writer is not None:
+        offsets = [snap.shared.offsets[name] for name in layout.names]
+        files = snap.writer.write_files(directory, snap.shared.path, offsets, plans, extra)
+    else:
+        tensors = [snap.tensors[name] for name in layout.names]
+        files = write_data_files(str(directory), plans, extra, lambda i: raw_bytes(tensors[i]))
+    return _write_manifest(directory, snap, files, rank=rank, world_size=world_size, rank_layout=rank_layout)
+
+
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor, in memory order (no copy for a contiguous tensor)."""
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    flat = tensor.detach().contiguous().reshape(-1)
+    array: Any = flat.view(torch.uint8).numpy()
+    return memoryview(array)
+
+
+def _write_manifest(
+    directory: Path,
+    snap: StagedSnapshot,
+    files: dict[str, dict[str, Any]],
+    *,
+    rank: int,
+    world_size: int,
+    rank_layout: dict[str, Any] | None = None,
+    meta: dict[str, Any] | None = None,
+    versions: dict[str, str] | None = None,
+) -> Manifest:
+    """Write the manifest that vouches for ``files`` (already in ``directory``, fsynced), last; fsync the
+    directory."""
+    manifest = Manifest(
+        step=snap.step,
+        rank=rank,
+        world_size=world_size,
+        tensors=snap.specs(),
+        files=files,
+        rank_layout=dict(rank_layout or {}),
+        meta=dict(snap.meta if meta is None else meta),
+        versions={
+            "lightning_resilience": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            **(versions or {}),
+        },
+        created=time.time(),
+    )
+    write_synced(directory / MANIFEST, manifest.to_json().encode())
+    fsync_dir(directory)
+    return manifest
 
 
 def seal_shard(
@@ -167,25 +209,9 @@ def seal_shard(
     for entry in sorted(directory.iterdir()):
         if entry.is_file():
             files[entry.name] = {"size": entry.stat().st_size, "xxh3_64": checksum_file(entry)}
-    manifest = Manifest(
-        step=snap.step,
-        rank=rank,
-        world_size=world_size,
-        tensors=snap.specs(),
-        files=files,
-        rank_layout=dict(rank_layout or {}),
-        meta=dict(meta),
-        versions={
-            "lightning_resilience": __version__,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            **(versions or {}),
-        },
-        created=time.time(),
+    return _write_manifest(
+        directory, snap, files, rank=rank, world_size=world_size, rank_layout=rank_layout, meta=meta, versions=versions
     )
-    write_synced(directory / MANIFEST, manifest.to_json().encode())
-    fsync_dir(directory)
-    return manifest
 
 
 def _inside(root: Path, name: str) -> Path:

@@ -71,6 +71,7 @@ class LocalTier:
 
     durability = Durability.host
     collective = False
+    ram = False
 
     def __init__(self, *args: Any, **settings: Any) -> None:
         config = config_from_args(type(self).Config, args, settings, type(self).__name__)

@@ -20,6 +20,7 @@ import torch
 
 from lightning_resilience.checkpoint._legacy import conform
 from lightning_resilience.checkpoint.cadence import CadenceController
+from lightning_resilience.checkpoint.commits import CommitListeners
 from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.emergency import EmergencySave
 from lightning_resilience.checkpoint.errors import CheckpointWorkerError
@@ -30,7 +31,7 @@ from lightning_resilience.checkpoint.snapshot import HostSnapshot, SnapshotPool
 from lightning_resilience.checkpoint.stats import CheckpointStats, PersistResult, Restored, TierStats
 from lightning_resilience.checkpoint.tier import Durability, RamTier, Tier, TierIdentity, restore_order
 from lightning_resilience.checkpoint.tree import DTensorRebuilder, flatten_state
-from lightning_resilience.checkpoint.worker import PersistWorker
+from lightning_resilience.checkpoint.worker import PersistWorker, WriterProcess
 from lightning_resilience.collective import Deadline, SideGroup
 
 __all__ = ["CheckpointManager", "CheckpointStats", "Restored", "TierStats"]
@@ -64,12 +65,15 @@ class CheckpointManager:
         self.tiers = restore_order([conform(t) for t in tiers])
         self.config = config or CheckpointConfig()
         self._clock = clock
-        # a tier of process durability holds the snapshot buffers themselves (the RamTier protocol)
-        self._memory = [cast(RamTier, t) for t in self.tiers if t.durability is Durability.process]
-        self._persistent = [t for t in self.tiers if t.durability is not Durability.process]
+        # a RAM tier holds the snapshot buffers themselves (the RamTier protocol), in process or shared memory
+        self._memory = [cast(RamTier, t) for t in self.tiers if t.ram]
+        self._persistent = [t for t in self.tiers if not t.ram]
         memory_keep = sum(t.keep for t in self._memory)
-        self._pool = SnapshotPool(max_slots=self.config.max_host_copies or memory_keep + 2)
+        slots = self.config.max_host_copies or memory_keep + 2
+        self._pool = SnapshotPool(max_slots=slots, buffers=self._memory[0].buffers(slots) if self._memory else None)
         self._worker = PersistWorker()
+        self._writer = WriterProcess(self.config.drain_timeout)
+        """Writes persists of snapshots in shared memory, off this process's GIL (started by :meth:`setup`)."""
         self._deferred: list[Tier] = []
         self._group = SideGroup("checkpoint", self.config.collective_timeout, local=True)  # peers come with setup
         self.identity = TierIdentity()
@@ -78,7 +82,7 @@ class CheckpointManager:
         # when each tier is due: as set, or chosen by the cost budget (``every_n_steps=0``)
         self.cadence = CadenceController.of(self.tiers, self.config, write_seconds=mean_write, clock=clock)
         self._meta_providers: list[Callable[[int], dict[str, Any]]] = []
-        self._commit_listeners: list[Callable[[str, int], None]] = []
+        self._commits = CommitListeners()
         self._warned: set[str] = set()
         self._closed = False
         self._failure: BaseException | None = None
@@ -103,6 +107,8 @@ class CheckpointManager:
         self.cadence.bind(self._group.reduce_max_each, self._group.rank)
         for tier in self.tiers:
             tier.bind(self.identity)
+        if self._persistent and any(t.durability is not Durability.process for t in self._memory):
+            self._writer.start()  # snapshots live in shared memory: the writer process can read them there
 
     def resync(self) -> None:
         """Collective, off the step path (after a restore): agree on the steps every rank holds per persistent
@@ -134,18 +140,9 @@ class CheckpointManager:
         self._meta_providers.append(provider)
 
     def add_commit_listener(self, listener: Callable[[str, int], None]) -> None:
-        """Call ``listener(tier_name, step)`` for every write a persistent tier committed, as soon as it is committed:
-        on the persist worker's thread (a hung training thread must not hide a commit), or on the caller's thread for
-        an emergency save. The launcher learns the job's progress this way; a listener must be quick and thread-safe,
-        and an error it raises is logged, never raised."""
-        self._commit_listeners.append(listener)
-
-    def _tell_listeners(self, tier: str, step: int) -> None:
-        for listener in self._commit_listeners:
-            try:
-                listener(tier, step)
-            except Exception as err:  # what the listeners do must not fail a checkpoint
-                log.warning("commit listener %r failed on step %d of tier %r: %s", listener, step, tier, err)
+        """Call ``listener(tier_name, step)`` for every committed write (:class:`.commits.CommitListeners`): the
+        launcher learns the job's progress this way."""
+        self._commits.add(listener)
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:  # the same state shape is captured every step: say it once
@@ -291,7 +288,7 @@ class CheckpointManager:
         for tier in self._persistent:  # the emergency writes bypass the worker: tell the listeners here
             stats = self.stats.tiers[tier.name]
             if stats.writes != before[tier.name] and stats.last_step is not None:
-                self._tell_listeners(tier.name, stats.last_step)
+                self._commits.tell(tier.name, stats.last_step)
         return saved
 
     def wait_snapshot(self) -> None:
@@ -340,7 +337,7 @@ class CheckpointManager:
         results = []
         unexpected: BaseException | None = None
         try:
-            snap = slot.view()
+            snap = slot.view(self._writer)
             for tier in tiers:
                 start = time.perf_counter()
                 deleted: list[int] = []
@@ -356,7 +353,7 @@ class CheckpointManager:
                 results.append(
                     PersistResult(tier.name, snap.step, written.nbytes, time.perf_counter() - start, deleted=deleted)
                 )
-                self._tell_listeners(tier.name, snap.step)
+                self._commits.tell(tier.name, snap.step)
         finally:
             self._pool.release(slot)
         if unexpected is not None:
@@ -432,8 +429,9 @@ class CheckpointManager:
         return restored
 
     # --------------------------------------------------------------- teardown
-    def close(self, timeout: timedelta | None = None) -> None:
-        """Drain the in-flight persist (bounded) and stop the worker; no save outlives this call."""
+    def close(self, timeout: timedelta | None = None, *, finished: bool = False) -> None:
+        """Drain the in-flight persist (bounded) and stop the worker; no save outlives this call. ``finished``: the
+        job is over, so RAM tiers also remove what they keep in shared memory for a restart."""
         if self._closed:
             return
         self._closed = True
@@ -441,6 +439,9 @@ class CheckpointManager:
         drained = self._worker.close(timeout or self.config.drain_timeout)
         if not drained:
             log.error("checkpoint persist did not finish within %s; its step is not committed", timeout)
+        for tier in self._memory:  # after the persist: it may still read a buffer in shared memory
+            tier.close(keep=not finished)
+        self._writer.close(self.config.snapshot_timeout)
         self.collect()
         if self._failure is not None:  # never reported at an agreement: rank-local from here on
             cause, self._failure = self._failure, None

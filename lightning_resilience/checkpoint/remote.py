@@ -130,6 +130,7 @@ class RemoteTier(RetryingCalls):
 
     durability = Durability.remote
     collective = False
+    ram = False
 
     def __init__(self, *args: Any, sleep: Callable[[float], None] = time.sleep, **settings: Any) -> None:
         config = config_from_args(RemoteTier.Config, args, settings, "RemoteTier")

@@ -145,6 +145,7 @@ class PeerTier(LocalTier):
 
     durability = Durability.peer
     collective = True
+    ram = False
 
     def __init__(self, *args: Any, **settings: Any) -> None:
         super().__init__(*args, **settings)

@@ -11,6 +11,7 @@ written by a job of another size), the step is restored resharded (:mod:`lightni
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import cast
@@ -20,7 +21,7 @@ from lightning_resilience.checkpoint.errors import CheckpointCorruptError, NoVal
 from lightning_resilience.checkpoint.reshard import reshardable_steps, restore_resharded_agreed
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.stats import CheckpointStats, Restored
-from lightning_resilience.checkpoint.tier import CollectiveTier, Durability, RamTier, Tier, TierIdentity
+from lightning_resilience.checkpoint.tier import CollectiveTier, RamTier, Tier, TierIdentity
 from lightning_resilience.checkpoint.tree import DTensorRebuilder, unflatten_state
 from lightning_resilience.collective import SideGroup
 
@@ -115,7 +116,7 @@ class CollectiveRestore:
         source: Tier | None = None
         for tier in tiers:
             try:
-                if tier.durability is not Durability.process:
+                if not tier.ram:
                     snap, source = tier.read(candidate), tier
                     break
                 if cast(RamTier, tier).holds(candidate):  # taken only after the agreement below
@@ -139,6 +140,7 @@ class CollectiveRestore:
                 source.name,
                 elapsed,
             )
+            self.stats.restored_at = time.time()
         log.info("restored step %d from tier %r in %.3fs", candidate, source.name, elapsed)
         return Restored(candidate, state, source.name, elapsed, snap.meta)
 
@@ -182,6 +184,7 @@ class CollectiveRestore:
             return None  # the same on every rank: the agreed step is older than a native one
         elapsed = self.clock() - start
         self.stats.restored_step, self.stats.restored_from, self.stats.restore_seconds = res.step, name, elapsed
+        self.stats.restored_at = time.time()
         log.warning(
             "restored step %d from tier %r, resharded from %d to %d ranks (per-rank RNG and data position taken "
             "from old rank new_rank %% %d: not an exact resume)",

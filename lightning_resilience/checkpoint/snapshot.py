@@ -7,18 +7,64 @@ snapshot runs while the snapshot is persisted (double buffering) and the RAM tie
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from lightning_resilience.checkpoint import host_copy
+from lightning_resilience.checkpoint.host_copy import Copier, CopyJob
+from lightning_resilience.checkpoint.shard_writer import FilePlan
 from lightning_resilience.checkpoint.tree import FlatState, TensorSpec
 
-__all__ = ["HostSnapshot", "SnapshotPool", "StagedSnapshot"]
+if TYPE_CHECKING:
+    from lightning_resilience.checkpoint.shared_memory import Segment
+
+__all__ = [
+    "HostArena",
+    "HostBuffers",
+    "HostSnapshot",
+    "ProcessBuffers",
+    "ShardWriter",
+    "SharedSource",
+    "SnapshotPool",
+    "StagedSnapshot",
+]
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64
+"""Byte alignment of every tensor in a slot's arena (a cache line; enough for any dtype)."""
+
+
+class ShardWriter(Protocol):
+    """Writes a shard's data files from a snapshot in shared memory, in another process
+    (:class:`~lightning_resilience.checkpoint.worker.WriterProcess`)."""
+
+    def write_files(
+        self, directory: Path, segment: Path, offsets: list[int], plans: list[FilePlan], extra: dict[str, bytes]
+    ) -> dict[str, dict[str, Any]]:
+        """Create ``directory`` and write ``plans`` (tensor ``i`` at ``offsets[i]`` of ``segment``) and ``extra``
+        into it, fsynced; returns each file's size and checksum.
+
+        Raises:
+            OSError: a disk fault (its errno kept), or the writer process died.
+        """
+
+
+@dataclass(frozen=True)
+class SharedSource:
+    """Where a snapshot's bytes lie in shared memory: another process (the writer) can map ``path`` and find each
+    tensor at ``offsets[name]``."""
+
+    path: Path
+    offsets: dict[str, int]
 
 
 @dataclass
@@ -29,6 +75,10 @@ class StagedSnapshot:
     skeleton: Any
     tensors: dict[str, torch.Tensor]
     meta: dict[str, Any] = field(default_factory=dict)
+    shared: SharedSource | None = None
+    """Set when the tensors are views of a shared-memory buffer (a writer process can read them there)."""
+    writer: ShardWriter | None = None
+    """The process that writes this snapshot's files from ``shared`` (None: the caller's thread writes them)."""
 
     @property
     def nbytes(self) -> int:
@@ -47,65 +97,40 @@ class StagedSnapshot:
         )
 
 
-class _CopyJob:
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.pairs = pairs
-        self.done = threading.Event()
-        self.error: BaseException | None = None
+class HostArena:
+    """The flat host buffer behind one snapshot slot; every tensor of the slot is a view into it.
 
-    def wait(self, timeout: timedelta) -> None:
-        if not self.done.wait(timeout.total_seconds()):
-            raise TimeoutError(f"host snapshot copy did not finish within {timeout}")
-        if self.error is not None:
-            raise RuntimeError(f"host snapshot copy failed: {self.error}") from self.error
-
-
-class _Copier:
-    """One owned thread that copies into host buffers while the training thread runs the next step.
-
-    ``Tensor.copy_`` releases the GIL, so the copy really runs beside the forward and backward passes.
+    ``segment`` is the shared-memory file behind it (a restarted worker can read it), None for process memory.
     """
 
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._queue: list[_CopyJob] = []
-        self._closed = False
-        self._thread: threading.Thread | None = None
+    def __init__(self, data: torch.Tensor, segment: Segment | None = None) -> None:
+        self.data = data
+        self.segment = segment
 
-    def submit(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> _CopyJob:
-        job = _CopyJob(pairs)
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("snapshot copier is closed")
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="lr-snapshot-copy", daemon=True)
-                self._thread.start()
-            self._queue.append(job)
-            self._cond.notify_all()
-        return job
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
 
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                job = self._queue.pop(0)
-            try:
-                for dst, src in job.pairs:
-                    dst.copy_(src)
-            except BaseException as err:  # surfaced by job.wait() on the training thread
-                job.error = err
-            finally:
-                job.done.set()
+    def release(self) -> None:
+        """The pool no longer uses this arena (tensors that still view it stay valid)."""
+        if self.segment is not None:
+            self.segment.remove()
 
-    def close(self, timeout: timedelta) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout.total_seconds())
+
+class HostBuffers(Protocol):
+    """Where a pool's slots get their arenas: process memory (:class:`ProcessBuffers`) or a RAM tier's shared
+    memory (:class:`~lightning_resilience.checkpoint.memory.MemoryTier` with ``shared_memory``)."""
+
+    def allocate(self, nbytes: int, *, pin: bool) -> HostArena:
+        """A new arena of ``nbytes`` (page-locked when ``pin``); never raises for lack of room in shared memory:
+        it falls back to process memory."""
+
+
+class ProcessBuffers:
+    """Arenas in this process's memory (pinned on a GPU machine)."""
+
+    def allocate(self, nbytes: int, *, pin: bool) -> HostArena:
+        return HostArena(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))
 
 
 def _split(
@@ -120,15 +145,23 @@ def _split(
 
 
 class HostSnapshot:
-    """One set of host buffers, laid out for a given set of tensor specs and reused across steps."""
+    """One set of host buffers, laid out for a given set of tensor specs in one arena and reused across steps."""
 
-    def __init__(self, *, pin_memory: bool) -> None:
+    def __init__(self, *, pin_memory: bool, buffers: HostBuffers | None = None) -> None:
         self._pin = pin_memory
+        self._source = buffers or ProcessBuffers()
+        self.arena: HostArena | None = None
         self._buffers: dict[str, torch.Tensor] = {}
+        self._exposed: dict[str, torch.Tensor] = {}
+        self.offsets: dict[str, int] = {}
+        """Where each tensor starts in the arena (bytes)."""
         self._signature: tuple[Any, ...] = ()
         self._nbytes = 0
         self._event: torch.cuda.Event | None = None
-        self._job: _CopyJob | None = None
+        self._job: CopyJob | None = None
+        self._copier: Copier | None = None
+        self.generation = 0
+        """Changes with every copy into this slot (see :meth:`when_copied`)."""
         self.step = -1
         self.skeleton: Any = None
         self.meta: dict[str, Any] = {}
@@ -142,17 +175,30 @@ class HostSnapshot:
         if signature == self._signature:
             return
         self._signature = signature
-        specs = flat.specs()
-        # the layout changes rarely (optimizer state appears after the first step); reuse what still fits
-        fresh: dict[str, torch.Tensor] = {}
-        for name, spec in specs.items():
-            old = self._buffers.get(name)
-            if old is not None and tuple(old.shape) == spec.shape and old.dtype == spec.dtype:
-                fresh[name] = old
-            else:
-                fresh[name] = torch.empty(spec.shape, dtype=spec.dtype, pin_memory=self._pin)
-        self._buffers = fresh
-        self._nbytes = sum(b.numel() * b.element_size() for b in fresh.values())
+        # the layout changes rarely (optimizer state appears after the first step): one arena, views into it
+        offsets: dict[str, int] = {}
+        total = 0
+        for name, t in flat.tensors.items():
+            offsets[name] = total
+            total = _align(total + t.numel() * t.element_size())
+        if self.arena is None or self.arena.nbytes < total:
+            if self.arena is not None:
+                self.arena.release()
+            self.arena = self._source.allocate(total, pin=self._pin)
+        arena, memory = self.arena.data, self.arena.data.numpy()
+        self._buffers, self._exposed = {}, {}
+        for name, t in flat.tensors.items():
+            start, size = offsets[name], t.numel() * t.element_size()
+            if not size:
+                self._buffers[name] = self._exposed[name] = torch.empty(t.shape, dtype=t.dtype)
+                continue
+            # copies go into views of the arena (a pinned arena stays pinned to the copy engine); what the slot hands
+            # out has a storage of its own over the same bytes, as a plain tensor has: a consumer that reads a
+            # tensor's storage (torch.set_rng_state, torch.save) sees this tensor and nothing around it
+            self._buffers[name] = arena[start : start + size].view(t.dtype).view(t.shape)
+            self._exposed[name] = torch.from_numpy(memory[start : start + size]).view(t.dtype).view(t.shape)
+        self.offsets = offsets
+        self._nbytes = sum(b.numel() * b.element_size() for b in self._buffers.values())
         self.reallocations += 1
 
     def copy_from(
@@ -163,7 +209,7 @@ class HostSnapshot:
         stream: torch.cuda.Stream | None,
         *,
         overlap: Callable[[torch.Tensor], bool] | None = None,
-        copier: _Copier | None = None,
+        copier: Copier | None = None,
     ) -> None:
         """Copy ``flat``'s tensors into this slot.
 
@@ -177,6 +223,11 @@ class HostSnapshot:
         if stream is None:
             self.wait_copied()  # on a GPU the new copies queue behind the old ones on the same stream
         self._ensure_layout(flat)
+        assert self.arena is not None
+        segment = self.arena.segment
+        # no marker may vouch for a buffer being written: a shared arena drops its marker first
+        self.generation = segment.invalidate() if segment is not None else self.generation + 1
+        self._copier = copier
         if stream is not None:
             current = torch.cuda.current_stream()
             stream.wait_stream(current)
@@ -197,12 +248,12 @@ class HostSnapshot:
         else:
             self._event = None
             deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+            at_once: list[tuple[torch.Tensor, torch.Tensor]] = []
+            background = copier is not None and overlap is not None
             for name, src in flat.tensors.items():
-                if copier is not None and overlap is not None and overlap(src):
-                    deferred.append((self._buffers[name], src))
-                else:
-                    self._buffers[name].copy_(src)
-            self._job = copier.submit(deferred) if deferred and copier is not None else None
+                (deferred if background and overlap(src) else at_once).append((self._buffers[name], src))  # type: ignore[misc]
+            host_copy.copy_pairs(at_once)
+            self._job = copier.submit(CopyJob(deferred)) if deferred and copier is not None else None
         self.step = step
         self.skeleton = flat.skeleton
         self.meta = dict(meta)
@@ -212,6 +263,20 @@ class HostSnapshot:
             if src.is_cuda:
                 src.record_stream(stream)  # a temporary source must outlive the copy that reads it
             self._buffers[name].copy_(src, non_blocking=src.is_cuda)
+
+    def when_copied(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once every copy into this slot has landed, off the training thread when the copy runs
+        in the background (on the copier thread, after a CPU copy or the CUDA copy's event). A callback that must
+        not act on a later copy compares :attr:`generation` with the one it saw."""
+        job, event, copier = self._job, self._event, self._copier
+        if event is not None and copier is not None:
+            waiter = CopyJob([], event)
+            waiter.then.append(callback)
+            copier.submit(waiter)
+        elif job is not None and copier is not None:
+            copier.then(job, callback)
+        else:
+            callback()
 
     def wait_copied(self, timeout: timedelta = timedelta(seconds=300)) -> None:
         """Block (bounded) until every copy into this slot has landed."""
@@ -234,13 +299,41 @@ class HostSnapshot:
         if job is not None:
             job.wait(timeout)
 
-    def view(self) -> StagedSnapshot:
+    def tensor_layout(self) -> dict[str, tuple[int, list[int], str]]:
+        """Each tensor's offset in the arena, shape and dtype name (without waiting for the copy)."""
+        return {
+            name: (self.offsets[name], list(t.shape), str(t.dtype).removeprefix("torch."))
+            for name, t in self._buffers.items()
+        }
+
+    def view(self, writer: ShardWriter | None = None) -> StagedSnapshot:
+        """The slot's content (after its copy landed); ``writer`` writes it from shared memory when it is there."""
         self.wait_copied()
-        return StagedSnapshot(self.step, self.skeleton, dict(self._buffers), dict(self.meta))
+        segment = self.arena.segment if self.arena is not None else None
+        shared = None
+        if segment is not None:  # the file holds a header before the arena
+            shared = SharedSource(segment.path, {n: segment.base + o for n, o in self.offsets.items()})
+        return StagedSnapshot(
+            self.step,
+            self.skeleton,
+            dict(self._exposed),
+            dict(self.meta),
+            shared=shared,
+            writer=writer if shared else None,
+        )
+
+    def release_arena(self) -> None:
+        """The pool drops this slot: its arena goes (tensors handed over keep viewing it)."""
+        if self.arena is not None:
+            self.arena.release()
 
     @property
     def nbytes(self) -> int:
         return self._nbytes  # summed once per layout: hundreds of buffers, read several times a step
+
+
+def _align(offset: int) -> int:
+    return (offset + ALIGN - 1) // ALIGN * ALIGN
 
 
 class SnapshotPool:
@@ -249,9 +342,10 @@ class SnapshotPool:
     Args:
         max_slots: upper bound on host copies; the pool grows lazily up to it.
         pin_memory: pin host buffers (only meaningful, and only used, when CUDA is present).
+        buffers: where slots get their arenas (default: process memory).
     """
 
-    def __init__(self, *, max_slots: int, pin_memory: bool | None = None) -> None:
+    def __init__(self, *, max_slots: int, pin_memory: bool | None = None, buffers: HostBuffers | None = None) -> None:
         if max_slots < 2:
             raise ValueError(f"snapshot max_slots must be >= 2 for double buffering, got {max_slots}")
         self._max = max_slots
@@ -259,8 +353,13 @@ class SnapshotPool:
         self._slots: list[HostSnapshot] = []
         self._cond = threading.Condition()
         self._stream: torch.cuda.Stream | None = torch.cuda.Stream() if torch.cuda.is_available() else None
-        self._copier = _Copier()
+        self._copier = Copier()
         self._inflight: HostSnapshot | None = None
+        self._buffers = buffers or ProcessBuffers()
+
+    @property
+    def max_slots(self) -> int:
+        return self._max
 
     @property
     def pinned(self) -> bool:
@@ -296,7 +395,7 @@ class SnapshotPool:
                     slot = min(free, key=lambda s: s.step)
                     break
                 if len(self._slots) < self._max:
-                    slot = HostSnapshot(pin_memory=self._pin)
+                    slot = HostSnapshot(pin_memory=self._pin, buffers=self._buffers)
                     self._slots.append(slot)
                     break
                 remaining = deadline - time.monotonic()
@@ -327,6 +426,10 @@ class SnapshotPool:
     def close(self, timeout: timedelta = timedelta(seconds=60)) -> None:
         self.wait_inflight(timeout)
         self._copier.close(timeout)
+        with self._cond:
+            for slot in self._slots:
+                if slot.refs == 0:  # a slot still referenced (a RAM tier's) is the tier's to discard
+                    slot.release_arena()
 
     def retain(self, slot: HostSnapshot) -> None:
         with self._cond:
@@ -341,4 +444,5 @@ class SnapshotPool:
                 if slot.handed_over and slot in self._slots:
                     # its buffers now belong to a restored training state: never reuse them
                     self._slots.remove(slot)
+                    slot.release_arena()
                 self._cond.notify_all()

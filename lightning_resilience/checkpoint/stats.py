@@ -53,6 +53,8 @@ class CheckpointStats:
     restored_step: int | None = None
     restored_from: str | None = None
     restore_seconds: float = 0.0
+    restored_at: float | None = None
+    """Wall-clock time (time.time) when the resume's restore ended."""
     skipped_corrupt: list[str] = field(default_factory=list)
 
     @property

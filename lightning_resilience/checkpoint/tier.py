@@ -2,8 +2,9 @@
 snapshot buffers themselves implements :class:`RamTier`, one that exchanges with peers :class:`CollectiveTier`.
 
 The manager never asks a tier what it is (no ``isinstance``, no ``getattr``): what it needs to know is in the
-protocol. ``durability`` says what a copy survives (where a tier sits in the restore order; ``process`` marks a
-:class:`RamTier`), ``collective`` says that every rank must call :meth:`Tier.write` together (a
+protocol. ``durability`` says what a copy survives, ``ram`` that the tier holds the snapshot buffers themselves (a
+:class:`RamTier`: first in the restore order, whether its buffers live in process memory or outlive the process in
+shared memory), ``collective`` says that every rank must call :meth:`Tier.write` together (a
 :class:`CollectiveTier`), ``write`` returns what it committed, and :meth:`Tier.reshard_root` has an answer on
 every tier.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from lightning_resilience._configurable import ConfigError, StrEnum
-from lightning_resilience.checkpoint.snapshot import HostSnapshot, StagedSnapshot
+from lightning_resilience.checkpoint.snapshot import HostBuffers, HostSnapshot, StagedSnapshot
 from lightning_resilience.collective import Deadline
 
 __all__ = [
@@ -43,7 +44,7 @@ class Durability(StrEnum):
     process = "process"
     """Process memory: a restore within the process (rollback, retry) only."""
     host = "host"
-    """The node (local disk, node RAM outliving the workers): a process restart, not the loss of the node."""
+    """The node (local disk, shared memory outliving the workers): a process restart, not the loss of the node."""
     peer = "peer"
     """Copies on other nodes too: the loss of a node."""
     remote = "remote"
@@ -85,6 +86,7 @@ class Tier(Protocol):
             allows (the manager's cadence controller decides).
         keep: how many committed steps this tier retains.
         durability: what a copy survives.
+        ram: True for a :class:`RamTier` (it adopts the snapshot buffers instead of being written a copy).
         collective: True when :meth:`write` exchanges with peers: every rank must call it for the same step,
             whatever happened before (a failed local commit is carried into the exchange, never skips it).
     """
@@ -93,6 +95,7 @@ class Tier(Protocol):
     every_n_steps: int
     keep: int
     durability: Durability
+    ram: bool
     collective: bool
 
     def bind(self, identity: TierIdentity) -> None:
@@ -127,8 +130,11 @@ class Tier(Protocol):
 
 @runtime_checkable
 class RamTier(Tier, Protocol):
-    """A tier of ``Durability.process`` that holds the snapshot buffers themselves: no copy to keep a step, none
-    to restore it."""
+    """A tier that holds the snapshot buffers themselves (``ram`` is True): no copy to keep a step, none to restore
+    it. Its durability is ``process``, or ``host`` when the buffers outlive the process (shared memory)."""
+
+    def buffers(self, slots: int) -> HostBuffers:
+        """Where the snapshot pool's ``slots`` buffers are allocated (process or shared memory)."""
 
     def adopt(self, slot: HostSnapshot, release: Callable[[HostSnapshot], None]) -> Written:
         """Hold a pool slot (already retained for this tier); ``release`` gives it back when evicted."""
@@ -138,6 +144,10 @@ class RamTier(Tier, Protocol):
 
     def take(self, step: int) -> StagedSnapshot:
         """Hand ``step``'s buffers over to the caller for good; only after every rank agreed on the step."""
+
+    def close(self, *, keep: bool) -> None:
+        """The engine is done with the tier; ``keep`` False (the job finished) also removes what would outlive
+        the process."""
 
 
 @runtime_checkable
@@ -155,11 +165,11 @@ class CollectiveTier(Tier, Protocol):
 
 
 def restore_order(tiers: list[Tier]) -> list[Tier]:
-    """Fastest first: process RAM, then node-local tiers in the order given (node RAM, local disk...), then
-    off-node stores. Restores try tiers in this order; persists and emergency saves write in it."""
+    """Fastest first: RAM tiers (process or shared memory), then node-local tiers in the order given (local disk...),
+    then off-node stores. Restores try tiers in this order; persists and emergency saves write in it."""
 
     def rank(tier: Tier) -> int:
-        if tier.durability is Durability.process:
+        if tier.ram:
             return 0
         return 2 if tier.durability is Durability.remote else 1
 

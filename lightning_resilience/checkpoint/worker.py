@@ -1,21 +1,37 @@
-"""The owned background worker that moves snapshots to slower tiers.
+"""The owned background workers that move snapshots to slower tiers.
 
-One thread, one job at a time. The owner polls it on the training thread: results come back there, an error that
-escaped a job is re-raised there, and a worker that died is noticed there instead of being waited on forever.
-Every wait is bounded.
+:class:`PersistWorker`: one thread, one job at a time. The owner polls it on the training thread: results come back
+there, an error that escaped a job is re-raised there, and a worker that died is noticed there instead of being
+waited on forever. :class:`WriterProcess`: the process that writes a shard's bytes from shared memory for it, off
+the training process's GIL. Every wait is bounded.
 """
 
 from __future__ import annotations
 
+import base64
+import errno
+import logging
+import os
+import select
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+from lightning_resilience.checkpoint import shard_writer
 from lightning_resilience.checkpoint.errors import CheckpointWorkerError
+from lightning_resilience.checkpoint.shard_writer import FilePlan, read_message, send_message
 
-__all__ = ["PersistWorker"]
+__all__ = ["PersistWorker", "WriterProcess"]
+
+log = logging.getLogger(__name__)
+
+_WRITER_SCRIPT = Path(shard_writer.__file__)
+"""Run as a script, not as a module of the package: the package's imports (torch, lightning) stay out of it."""
 
 
 class PersistWorker:
@@ -135,3 +151,130 @@ class PersistWorker:
                 self._results.append(result)
                 self._running = False
                 self._cond.notify_all()
+
+
+class WriterProcess:
+    """The owned writer process: it writes a shard's data files from a snapshot in shared memory, so that the
+    persist (raw bytes, checksums, fsync) does not hold the training process's GIL.
+
+    A small Python process (``shard_writer.py``, no torch import: it starts in tens of milliseconds) that takes one
+    request at a time on a pipe. Its owner (the checkpoint manager) starts it and stops it; every wait for it is
+    bounded and notices its death; an error it reports is raised in the caller (the persist thread, whose errors
+    reach the training thread). It dies with its parent (``PR_SET_PDEATHSIG``, and the end of its stdin), so a
+    trainer killed with SIGKILL leaves no writer behind.
+
+    Args:
+        timeout: longest wait for one request.
+    """
+
+    def __init__(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.writes = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> None:
+        """Start the process (from a thread that lives as long as it: the death signal follows that thread)."""
+        with self._lock:
+            self._running()
+
+    def _running(self) -> subprocess.Popen[bytes]:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            if proc is not None:
+                log.warning("the checkpoint writer process ended (exit code %s): starting another", proc.returncode)
+            # -I: isolated, without the script's directory on the path (its neighbours would shadow nothing, but
+            # the writer needs only the standard library and xxhash)
+            proc = self._proc = subprocess.Popen(
+                [sys.executable, "-I", str(_WRITER_SCRIPT), str(os.getpid())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                close_fds=True,
+            )
+        return proc
+
+    def write_files(
+        self, directory: Path, segment: Path, offsets: list[int], plans: list[FilePlan], extra: dict[str, bytes]
+    ) -> dict[str, dict[str, Any]]:
+        """See :class:`~lightning_resilience.checkpoint.snapshot.ShardWriter`."""
+        request = {
+            "op": "write",
+            "directory": str(directory),
+            "segment": str(segment),
+            "offsets": offsets,
+            "files": [p.to_json() for p in plans],
+            "extra": {name: base64.b64encode(data).decode("ascii") for name, data in extra.items()},
+        }
+        with self._lock:
+            proc = self._running()
+            assert proc.stdin is not None and proc.stdout is not None
+            try:
+                send_message(proc.stdin, request)
+                reply = self._reply(proc)
+            except (OSError, ValueError) as err:  # a broken pipe, a torn reply, no reply: the writer is gone
+                self._kill(proc)
+                if isinstance(err, OSError) and err.errno in (errno.EIO, errno.ETIMEDOUT):
+                    raise
+                raise OSError(errno.EIO, f"the checkpoint writer process failed: {err}") from err
+            self.writes += 1
+        if reply.get("ok"):
+            files: dict[str, dict[str, Any]] = reply["files"]
+            return files
+        if reply.get("kind") == "OSError":
+            raise OSError(reply.get("errno") or errno.EIO, reply.get("error"), reply.get("file"))
+        raise RuntimeError(f"checkpoint writer process: {reply.get('kind')}: {reply.get('error')}")
+
+    def _reply(self, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+        """The reply to the request just sent; bounded by the timeout, and a dead writer is noticed within 0.5 s."""
+        assert proc.stdout is not None
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        fd = proc.stdout.fileno()
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    errno.ETIMEDOUT, f"the checkpoint writer process gave no reply within {self._timeout}"
+                )
+            ready, _, _ = select.select([fd], [], [], min(remaining, 0.5))
+            if ready:
+                reply = read_message(proc.stdout)
+                if reply is None:
+                    raise OSError(errno.EIO, f"the checkpoint writer process ended (exit code {proc.wait(5)})")
+                return reply
+            if proc.poll() is not None:
+                raise OSError(errno.EIO, f"the checkpoint writer process died (exit code {proc.returncode})")
+
+    def close(self, timeout: timedelta) -> bool:
+        """Ask the process to end after its request in flight and wait for it (bounded); killed past the bound.
+        Returns False if it had to be killed."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is None:
+            return True
+        try:
+            assert proc.stdin is not None
+            send_message(proc.stdin, {"op": "exit"})
+            proc.stdin.close()
+        except (OSError, ValueError):
+            pass
+        try:
+            proc.wait(max(timeout.total_seconds(), 0.1))
+            clean = True
+        except subprocess.TimeoutExpired:
+            self._kill(proc)
+            clean = False
+        if proc.stdout is not None:
+            proc.stdout.close()
+        return clean
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen[bytes]) -> None:
+        proc.kill()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            log.error("checkpoint writer process %d did not die after SIGKILL", proc.pid)

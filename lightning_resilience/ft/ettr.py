@@ -7,6 +7,10 @@ boundaries; every write is atomic, so the file a restart reads is always whole. 
 * **restart gap**: last heartbeat of an attempt to the first step of the next (detection, teardown, relaunch,
   re-rendezvous, restore; a requeue's queue wait too). The part the faulty rank spent being detected (a hang's
   stuck time) is reported separately as **detection**;
+* **per restart** (:class:`RestartCost`): the steps lost, and where each second from the last good step before the
+  fault to the first good step after it went: detection, relaunch (teardown, the launcher, new processes), imports
+  (the interpreter and the script up to its callbacks), rendezvous (process group, strategy setup), setup (the
+  callbacks, side groups, data loaders), restore, and the first step itself;
 * **recomputation**: steps redone after a resume (last step reached minus the step resumed from), and steps undone
   by in-process rollbacks, x the step time;
 * **checkpoint blocking**: what the checkpoint engine reports as blocking the training loop (and, per attempt, the
@@ -19,6 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -28,7 +33,17 @@ from typing import Any
 from lightning_resilience.ft.restart import FaultNote, atomic_write_json, read_fault_notes
 from lightning_resilience.rundir import RunDir
 
-__all__ = ["FAULT_ENDS", "AttemptRecord", "EttrLedger", "EttrReport", "failure_history"]
+__all__ = [
+    "FAULT_ENDS",
+    "RESTART_PARTS",
+    "AttemptRecord",
+    "EttrLedger",
+    "EttrReport",
+    "RestartCost",
+    "describe_restart",
+    "failure_history",
+    "process_started_at",
+]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +88,14 @@ class AttemptRecord:
     cadences: list[list[Any]] = field(default_factory=list)
     """[wall-clock seconds, step, tier, every_n_steps, why] each time the checkpoint engine chose a tier's cadence
     from its cost budget."""
+    process_started_at: float | None = None
+    """When rank 0's process started (before its imports)."""
+    script_ready_at: float | None = None
+    """When the script had built its callbacks (its imports done), before the Trainer set up."""
+    restored_at: float | None = None
+    """When the restore ended."""
+    first_step_done_at: float | None = None
+    """When the first step of the attempt ended: the first good step after a restart."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> AttemptRecord:
@@ -91,6 +114,89 @@ class AttemptRecord:
         return self.training_s / done if done else None
 
 
+RESTART_PARTS = ("detection", "relaunch", "imports", "rendezvous", "setup", "restore", "first_step")
+"""Where the time from a fault to the first good step goes (see the module docstring), in order."""
+
+
+@dataclass(frozen=True)
+class RestartCost:
+    """One restart: what it lost and where its seconds went."""
+
+    attempt: int
+    """The attempt that restarted (the next one after the fault)."""
+    cause: str
+    steps_lost: int
+    """Steps trained again: the previous attempt's last step minus the step resumed from."""
+    fault_to_first_good_step_s: float
+    """From the last good step before the fault to the end of the first step after the restart."""
+    parts: dict[str, float]
+    """:data:`RESTART_PARTS` -> seconds; they add up to ``fault_to_first_good_step_s``."""
+    restored_from: str | None = None
+
+    def share(self, part: str) -> float:
+        total = self.fault_to_first_good_step_s
+        return self.parts.get(part, 0.0) / total if total > 0 else 0.0
+
+
+def restart_cost(prev: AttemptRecord, cur: AttemptRecord, detection_s: float = 0.0) -> RestartCost | None:
+    """The cost of the restart from ``prev`` to ``cur``; None until ``cur`` has run its first step. A moment the
+    ledger lacks (an older ledger, a process without /proc) folds its part into the next part."""
+    if cur.first_step_at is None:
+        return None
+    fault = prev.last_heartbeat_at or prev.started_at
+    restore = float(cur.restore_s or 0.0)
+    restored = cur.restored_at if cur.restored_at is not None else (cur.first_step_at if restore else None)
+    detected = prev.ended_at if prev.ended_at is not None else fault
+    marks = [
+        ("detection", max(detected, fault + detection_s)),
+        ("relaunch", cur.process_started_at),
+        ("imports", cur.script_ready_at),
+        ("rendezvous", cur.started_at),
+        ("setup", restored - restore if restored is not None else None),
+        ("restore", restored),
+        ("setup", cur.first_step_at),
+        ("first_step", cur.first_step_done_at if cur.first_step_done_at is not None else cur.first_step_at),
+    ]
+    parts = dict.fromkeys(RESTART_PARTS, 0.0)
+    at = fault
+    for part, mark in marks:
+        if mark is None:
+            continue
+        mark = max(mark, at)  # clocks of different processes: never a negative part
+        parts[part] += mark - at
+        at = mark
+    lost = max((prev.last_step or 0) - (cur.start_step or 0), 0) if prev.last_step is not None else 0
+    return RestartCost(cur.index, prev.end_reason or "lost", lost, at - fault, parts, cur.restored_from)
+
+
+def describe_restart(cost: Mapping[str, Any]) -> str:
+    """One restart (a :class:`RestartCost` as JSON) in a line: its cause, the steps lost, and where each second
+    from the fault to the first good step went."""
+    total = float(cost.get("fault_to_first_good_step_s") or 0.0)
+    parts = cost.get("parts") or {}
+    shares = ", ".join(
+        f"{name.replace('_', ' ')} {seconds:.2f}s ({100 * seconds / total:.0f}%)"
+        for name, seconds in ((n, parts.get(n)) for n in RESTART_PARTS)  # in order: a JSON file may sort its keys
+        if isinstance(seconds, int | float) and seconds > 0 and total > 0
+    )
+    source = f" from {cost['restored_from']!r}" if cost.get("restored_from") else ""
+    return (
+        f"{cost.get('cause')}: {cost.get('steps_lost')} steps lost, resumed{source}; fault to first good step "
+        f"{total:.2f}s: {shares or '-'}"
+    )
+
+
+def process_started_at(pid: int | str = "self") -> float | None:
+    """Wall-clock time (time.time) when a process started, from /proc (Linux); None elsewhere."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
+        ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # the name (field 2) may hold spaces
+        return int(boot.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration):
+        return None
+
+
 @dataclass(frozen=True)
 class EttrReport:
     """The time accounting of a run so far (seconds)."""
@@ -107,6 +213,8 @@ class EttrReport:
     attempts: int
     restarts: int
     causes: list[str]
+    restart_costs: list[RestartCost] = field(default_factory=list)
+    """Each restart's steps lost and the breakdown of its fault-to-first-good-step time."""
 
     @property
     def ettr(self) -> float | None:
@@ -156,8 +264,18 @@ class EttrLedger:
         return self.attempts[-1] if self.attempts else None
 
     # ------------------------------------------------------------------ writes (rank 0)
-    def begin_attempt(self, *, restart_count: int, launcher: str, world_size: int, job_id: str | None) -> AttemptRecord:
-        """Start a new attempt; close the previous one with the fault notes its ranks left (or as 'lost')."""
+    def begin_attempt(
+        self,
+        *,
+        restart_count: int,
+        launcher: str,
+        world_size: int,
+        job_id: str | None,
+        process_started_at: float | None = None,
+        script_ready_at: float | None = None,
+    ) -> AttemptRecord:
+        """Start a new attempt; close the previous one with the fault notes its ranks left (or as 'lost').
+        ``process_started_at`` and ``script_ready_at``: when this process started and had built its callbacks."""
         now = self._wall_clock()
         notes = read_fault_notes(self.run_dir, before=now, remove=True)
         previous = self.current
@@ -176,6 +294,8 @@ class EttrLedger:
             world_size=world_size,
             started_at=now,
             job_id=job_id,
+            process_started_at=process_started_at,
+            script_ready_at=script_ready_at,
         )
         self.attempts.append(record)
         self.save()
@@ -188,13 +308,16 @@ class EttrLedger:
         restored_step: int | None = None,
         restored_from: str | None = None,
         restore_s: float | None = None,
+        restored_at: float | None = None,
     ) -> None:
-        """The first step of the attempt begins; ``restored_*``: the checkpoint it resumed from, if any."""
+        """The first step of the attempt begins; ``restored_*``: the checkpoint it resumed from, if any, and when
+        its restore ended."""
         record = self._require()
         record.first_step_at = self._wall_clock()
         record.start_step = record.last_step = step
         record.last_heartbeat_at = record.first_step_at
         record.restored_step, record.restored_from, record.restore_s = restored_step, restored_from, restore_s
+        record.restored_at = restored_at
         _append_point(record.progress, [record.first_step_at, step])
         self.save()
 
@@ -238,6 +361,12 @@ class EttrLedger:
             self.save()
             return True
         return False
+
+    def first_step_done(self) -> None:
+        """The attempt's first step ended (written with the heartbeat that follows)."""
+        record = self._require()
+        if record.first_step_done_at is None:
+            record.first_step_done_at = self._wall_clock()
 
     def note_rollback(self, steps_lost: int) -> None:
         """An in-process rollback undid ``steps_lost`` steps of this attempt: they count as recomputation."""
@@ -307,11 +436,15 @@ def account(attempts: list[AttemptRecord]) -> EttrReport:
     gap = detection = recompute = 0.0
     redone = 0
     causes: list[str] = []
+    costs: list[RestartCost] = []
     for prev, cur in itertools.pairwise(attempts):
         causes.append(prev.end_reason or "lost")
         hangs = sorted((f for f in prev.faults if f.get("kind") == "hang"), key=lambda f: f.get("detected_at", 0.0))
-        if hangs:  # the first rank to detect it ended the attempt; later notes are its consequences
-            detection += float(hangs[0].get("detection_s") or 0.0)
+        hang_s = float(hangs[0].get("detection_s") or 0.0) if hangs else 0.0
+        detection += hang_s  # the first rank to detect it ended the attempt; later notes are its consequences
+        cost = restart_cost(prev, cur, hang_s)
+        if cost is not None:
+            costs.append(cost)
         if cur.first_step_at is not None:
             gap += cur.first_step_at - (prev.last_heartbeat_at or prev.started_at)
         if cur.start_step is not None and prev.last_step is not None and prev.last_step > cur.start_step:
@@ -335,4 +468,5 @@ def account(attempts: list[AttemptRecord]) -> EttrReport:
         attempts=len(attempts),
         restarts=len(attempts) - 1,
         causes=causes,
+        restart_costs=costs,
     )

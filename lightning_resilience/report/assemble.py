@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_resilience.checkpoint.manager import CheckpointStats
-from lightning_resilience.checkpoint.tier import Durability, Tier
+from lightning_resilience.checkpoint.tier import Tier
 from lightning_resilience.ft.ettr import FAULT_ENDS
 from lightning_resilience.report.model import ResilienceReport, finite
 
@@ -39,7 +39,7 @@ def checkpoint_section(
     ``every_n_steps`` is then the cadence it followed last, and the section says why under ``cadence``.
     """
     chosen = (cadence or {}).get("tiers", {})
-    ram = {t.name for t in tiers if t.durability is Durability.process}
+    ram = {t.name for t in tiers if t.ram}
     triggers = ram or {t.name for t in tiers}
     out_tiers: dict[str, Any] = {}
     for tier in tiers:

@@ -13,6 +13,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from lightning_resilience.ft.ettr import describe_restart
 from lightning_resilience.report.model import ResilienceReport, finite
 
 __all__ = ["format_bytes", "render_table"]
@@ -200,6 +201,7 @@ def _ft_table(name: str, ft: Mapping[str, Any]) -> Table:
             ("checkpoint blocking", _s(ettr.get("checkpoint_blocking_s"))),
             ("attempts / restarts", f"{ettr.get('attempts', '-')} / {ettr.get('restarts', '-')}"),
         ]
+        rows += [(f"restart {c.get('attempt')}", describe_restart(c)) for c in ettr.get("restart_costs") or []]
     for key in ("preempted_at", "emergency_saved", "exception", "exit_code"):
         if ft.get(key) is not None:
             rows.append((key.replace("_", " "), ft[key]))

@@ -11,8 +11,11 @@ Each stretch of wall-clock time falls in one band:
 * ``recompute``: training again over steps an earlier attempt had done (lost to the fault);
 * ``detection``: after an attempt's last step until its end was recorded (a peer's collective failing, a hang's
   stuck time until the watchdog fired);
-* ``relaunch``: from there until the next attempt's processes were up (teardown, new processes, imports,
-  rendezvous, process group; a requeue's wait);
+* ``relaunch``: from there until the next attempt's rank 0 process started (teardown, the launcher, a requeue's
+  wait, new processes);
+* ``imports``: from the process start until the script had built its callbacks (interpreter, imports, the script);
+* ``rendezvous``: from there until the Trainer set up its callbacks (rendezvous, process group, strategy setup);
+  an attempt of a ledger without these moments has them in ``relaunch``;
 * ``restore``: loading the checkpoint the attempt resumed from;
 * ``teardown``: after the last attempt's last step until it ended (final checkpoint flush, shutdown).
 
@@ -31,7 +34,17 @@ from lightning_resilience.ft.ettr import AttemptRecord, account
 
 __all__ = ["BAND_KINDS", "AttemptTrack", "Band", "Timeline", "build_timeline"]
 
-BAND_KINDS = ("productive", "startup", "recompute", "detection", "relaunch", "restore", "teardown")
+BAND_KINDS = (
+    "productive",
+    "startup",
+    "recompute",
+    "detection",
+    "relaunch",
+    "imports",
+    "rendezvous",
+    "restore",
+    "teardown",
+)
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,13 @@ class AttemptTrack:
     restored_step: int | None = None
     restored_from: str | None = None
     restore_s: float | None = None
+    restored: float | None = None
+    """When the restore ended (None: right before the first step)."""
+    process_started: float | None = None
+    """When rank 0's process started."""
+    script_ready: float | None = None
+    """When the script had built its callbacks."""
+    first_step_done: float | None = None
     persists: list[tuple[float, int, str]] = field(default_factory=list)
     checkpoint_blocking_s: float = 0.0
     end: dict[str, Any] | None = None
@@ -179,6 +199,10 @@ def _track(rec: AttemptRecord, t0: float, end: Attribution | None) -> AttemptTra
         restored_step=rec.restored_step,
         restored_from=rec.restored_from,
         restore_s=rec.restore_s,
+        restored=rel(rec.restored_at),
+        process_started=rel(rec.process_started_at),
+        script_ready=rel(rec.script_ready_at),
+        first_step_done=rel(rec.first_step_done_at),
         persists=[(float(t) - t0, int(s), str(tier)) for t, s, tier in rec.persists],
         checkpoint_blocking_s=rec.checkpoint_blocking_s,
         end=end.to_json() if end is not None else None,
@@ -186,7 +210,8 @@ def _track(rec: AttemptRecord, t0: float, end: Attribution | None) -> AttemptTra
 
 
 def _gap(prev: AttemptTrack, cur: AttemptTrack) -> list[Band]:
-    """From the previous attempt's last heartbeat to this attempt's start: detection, then relaunch."""
+    """From the previous attempt's last heartbeat to this attempt's start: detection, relaunch, imports,
+    rendezvous."""
     start = prev.last_heartbeat if prev.last_heartbeat is not None else prev.started
     if cur.started <= start:
         return []
@@ -194,19 +219,38 @@ def _gap(prev: AttemptTrack, cur: AttemptTrack) -> list[Band]:
     detection = (prev.end or {}).get("detection_s")
     if isinstance(detection, int | float) and detection > 0:
         detected = max(detected, start + float(detection))
-    detected = min(detected, cur.started)
-    return [Band(start, detected, "detection", prev.index), Band(detected, cur.started, "relaunch", cur.index)]
+    return _consecutive(
+        start,
+        [
+            (detected, "detection", prev.index),
+            (cur.process_started, "relaunch", cur.index),
+            (cur.script_ready, "imports", cur.index),
+            (cur.started, "rendezvous" if cur.script_ready is not None else "relaunch", cur.index),
+        ],
+        cur.started,
+    )
+
+
+def _consecutive(start: float, marks: list[tuple[float | None, str, int]], end: float) -> list[Band]:
+    """Bands from ``start`` to each known mark in turn (clipped to ``[start, end]``, never backwards)."""
+    bands, at = [], start
+    for mark, kind, attempt in marks:
+        if mark is None:
+            continue
+        mark = min(max(mark, at), end)
+        bands.append(Band(at, mark, kind, attempt))
+        at = mark
+    return bands
 
 
 def _startup(track: AttemptTrack) -> list[Band]:
-    """From the attempt's first ledger entry to its first step: setup, then the restore."""
+    """From the attempt's first ledger entry to its first step: setup, the restore, setup again (data loaders)."""
     if track.first_step is None or track.first_step <= track.started:
         return []
-    restore_from = max(track.first_step - float(track.restore_s or 0.0), track.started)
-    return [
-        Band(track.started, restore_from, "startup", track.index),
-        Band(restore_from, track.first_step, "restore", track.index),
-    ]
+    restored = track.restored if track.restored is not None else track.first_step
+    restore_from = restored - float(track.restore_s or 0.0)
+    marks = [(restore_from, "startup", track.index), (restored, "restore", track.index)]
+    return _consecutive(track.started, [*marks, (track.first_step, "startup", track.index)], track.first_step)
 
 
 def _training(track: AttemptTrack) -> list[Band]:

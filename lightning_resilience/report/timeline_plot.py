@@ -21,6 +21,8 @@ BAND_COLORS = {
     "recompute": "#ff7f0e",
     "detection": "#d62728",
     "relaunch": "#8c564b",
+    "imports": "#e377c2",
+    "rendezvous": "#bcbd22",
     "restore": "#1f77b4",
     "teardown": "#c7c7c7",
 }
@@ -29,7 +31,9 @@ _BAND_LABELS = {
     "startup": "startup (setup before the first step)",
     "recompute": "recomputed steps",
     "detection": "fault detection",
-    "relaunch": "relaunch (teardown, new processes, rendezvous)",
+    "relaunch": "relaunch (teardown, launcher, new processes)",
+    "imports": "imports (interpreter, script up to its callbacks)",
+    "rendezvous": "rendezvous (process group, strategy setup)",
     "restore": "checkpoint restore",
     "teardown": "final flush / teardown",
 }

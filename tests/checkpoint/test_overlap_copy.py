@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 
-from lightning_resilience.checkpoint import snapshot
+from lightning_resilience.checkpoint import host_copy
 from lightning_resilience.checkpoint.manager import CheckpointManager
 from lightning_resilience.checkpoint.memory import MemoryTier
 
@@ -19,18 +20,22 @@ class GatedCopier:
         self.gate = threading.Event()
         self.copied = threading.Event()
 
-    def submit(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> snapshot._CopyJob:
-        job = snapshot._CopyJob(pairs)
-
+    def submit(self, job: host_copy.CopyJob) -> host_copy.CopyJob:
         def run() -> None:
             self.gate.wait(30)
-            for dst, src in pairs:
+            for dst, src in job.pairs:
                 dst.copy_(src)
             self.copied.set()
+            job.sealed = True
+            for callback in job.then:
+                callback()
             job.done.set()
 
         threading.Thread(target=run, daemon=True).start()
         return job
+
+    def then(self, job: host_copy.CopyJob, callback: Callable[[], None]) -> None:
+        job.then.append(callback)
 
     def close(self, timeout: timedelta) -> None:
         self.gate.set()

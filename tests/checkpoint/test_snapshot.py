@@ -106,32 +106,62 @@ def test_pool_never_grows_past_max_slots_under_double_buffering() -> None:
     pool.release(in_flight)
 
 
-def test_reallocations_count_layout_changes_and_keep_fitting_buffers() -> None:
-    """A layout change reallocates only the changed tensors and counts once; the same layout counts nothing."""
+def test_reallocations_count_layout_changes_and_reuse_an_arena_that_fits() -> None:
+    """A layout change lays the slot out again and counts once (a new arena only when the old one is too small);
+    the same layout counts nothing."""
     pool = SnapshotPool(max_slots=2)
-    slot = pool.capture(1, flatten_state({"w": torch.zeros(4)}), {}, timeout=WAIT)
-    w_buf = _buffers(slot)["w"]
-    assert slot.reallocations == 1
+    slot = pool.capture(1, flatten_state({"w": torch.zeros(64)}), {}, timeout=WAIT)
+    assert slot.reallocations == 1 and slot.arena is not None
+    first_arena = slot.arena.data.data_ptr()
     pool.release(slot)
 
-    # optimizer state appears after the first step: one new tensor, "w" unchanged
-    slot2 = pool.capture(2, flatten_state({"w": torch.ones(4), "m": torch.ones(2, 2)}), {}, timeout=WAIT)
+    # optimizer state appears after the first step: one new tensor, the arena grows
+    slot2 = pool.capture(2, flatten_state({"w": torch.ones(64), "m": torch.ones(2, 2)}), {}, timeout=WAIT)
     assert slot2 is slot
     assert slot.reallocations == 2
-    assert _buffers(slot)["w"] is w_buf
     assert set(_buffers(slot)) == {"w", "m"}
+    assert torch.equal(_buffers(slot)["m"], torch.ones(2, 2)) and torch.equal(_buffers(slot)["w"], torch.ones(64))
+    grown = slot.arena.data.data_ptr()
     pool.release(slot)
 
-    slot3 = pool.capture(3, flatten_state({"w": torch.full((4,), 3.0), "m": torch.ones(2, 2)}), {}, timeout=WAIT)
+    slot3 = pool.capture(3, flatten_state({"w": torch.full((64,), 3.0), "m": torch.ones(2, 2)}), {}, timeout=WAIT)
     assert slot3 is slot and slot.reallocations == 2
     pool.release(slot)
 
-    # a dtype change is a layout change too; a dropped tensor disappears from the slot
+    # a dtype change is a layout change too; a dropped tensor disappears from the slot; a smaller layout keeps the
+    # arena it fits in
     slot4 = pool.capture(4, flatten_state({"w": torch.zeros(4, dtype=torch.float64)}), {}, timeout=WAIT)
     assert slot4 is slot and slot.reallocations == 3
     assert set(_buffers(slot)) == {"w"}
     assert _buffers(slot)["w"].dtype == torch.float64
+    assert slot.arena.data.data_ptr() == grown != first_arena
     pool.release(slot)
+
+
+def test_every_buffer_of_a_slot_is_an_aligned_part_of_one_arena_with_a_storage_of_its_own() -> None:
+    """One allocation per slot; each tensor starts on a 64-byte boundary of it (any dtype may view it), and what the
+    slot hands out has a storage of exactly its own bytes (as a plain tensor has: torch.set_rng_state and torch.save
+    read the storage)."""
+    pool = SnapshotPool(max_slots=2)
+    state = {
+        "a": torch.ones(3, dtype=torch.bfloat16),
+        "b": torch.arange(5),
+        "c": torch.tensor(True),
+        "d": torch.ones(0),
+    }
+    slot = pool.capture(1, flatten_state(state), {}, timeout=WAIT)
+    assert slot.arena is not None
+    base = slot.arena.data.data_ptr()
+    for name, buf in _buffers(slot).items():
+        if buf.numel():
+            assert buf.untyped_storage().data_ptr() == buf.data_ptr() == base + slot.offsets[name]
+            assert buf.untyped_storage().nbytes() == buf.numel() * buf.element_size()
+            assert slot.offsets[name] % 64 == 0
+        assert torch.equal(buf, state[name])
+    pool.release(slot)
+    rng = pool.capture(2, flatten_state({"pad": torch.ones(3), "rng": torch.get_rng_state()}), {}, timeout=WAIT)
+    torch.set_rng_state(rng.view().tensors["rng"])  # not at the arena's start, as a restore hands it over
+    pool.release(rng)
 
 
 def test_capture_reuses_the_oldest_free_slot() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -41,3 +44,26 @@ def test_overlapped_copy_is_ordered_before_the_optimizer_not_the_forward() -> No
     assert torch.isfinite(activations).all()
     pool.release(slot)
     pool.close()
+
+
+def test_shared_memory_buffers_are_page_locked_and_committed_after_the_device_copy(tmp_path: Path) -> None:
+    """In shared memory the buffers are registered with CUDA (the copy from the device stays asynchronous), and the
+    marker of a step is written only once the copy's event has completed."""
+    from lightning_resilience.checkpoint.manager import CheckpointManager
+    from lightning_resilience.checkpoint.memory import MemoryTier
+    from lightning_resilience.checkpoint.shared_memory import _read_marker
+
+    tier = MemoryTier(keep=2, shared_memory=True, shm_dir=str(tmp_path), run_id="cuda")
+    manager = CheckpointManager([tier])
+    manager.setup()
+    w = torch.randn(2048, 2048, device="cuda")
+    manager.on_step(1, lambda: {"w": w}, overlap=lambda t: True)
+    (slot,) = [s for s in manager._pool._slots if s.step == 1]
+    assert slot.arena is not None and slot.arena.segment is not None and slot.arena.segment.pinned
+    assert slot.view().tensors["w"].is_pinned()
+    manager.wait_snapshot()
+    manager._pool._copier.close(timedelta(seconds=30))  # drains its queue: the marker job has run
+    info = _read_marker(slot.arena.segment.marker, slot.arena.segment.path)
+    assert info is not None and info["step"] == 1
+    assert torch.equal(slot.view().tensors["w"], w.cpu())
+    manager.close(finished=True)

@@ -1,9 +1,9 @@
 """Every tier passes the same suite: protocol, commit atomicity, listing, corrupt-read detection, retention,
 concurrent writers, deadline.
 
-The tiers: memory, local, delta-local, peer (one process: no exchange), remote on S3 (moto on loopback). A tier
-that cannot meet a property by its nature (a RAM tier has no bytes to rot) says so in its case, and the test says
-why it does not apply.
+The tiers: memory (process or shared), local, delta-local, peer (one process: no exchange), remote on S3 (moto on
+loopback). A tier that cannot meet a property by its nature (a RAM tier has no bytes to rot) says so in its case,
+and the test says why it does not apply.
 """
 
 from __future__ import annotations
@@ -82,16 +82,17 @@ def _remote_case(s3: S3Endpoint) -> Case:
     return Case(make, "remote.upload", corrupt)
 
 
-def _memory_case() -> Case:
+def _memory_case(shm_dir: Path | None = None) -> Case:
     def make(rank: int, world: int) -> Tier:
-        tier = MemoryTier(keep=3)
+        shared = {"shared_memory": True, "shm_dir": str(shm_dir), "run_id": "conformance"} if shm_dir else {}
+        tier = MemoryTier(keep=3, **shared)
         tier.bind(TierIdentity(rank, world))
         return tier
 
     return Case(make, None, None, shared=False)
 
 
-KINDS = ["memory", "local", "delta", "peer", "remote"]
+KINDS = ["memory", "shared-memory", "local", "delta", "peer", "remote"]
 
 
 @pytest.fixture(params=KINDS)
@@ -99,6 +100,8 @@ def case(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Case]:
     kind = request.param
     if kind == "memory":
         yield _memory_case()
+    elif kind == "shared-memory":
+        yield _memory_case(tmp_path / "shm")
     elif kind == "local":
         yield _directory_case(tmp_path, LocalTier)
     elif kind == "delta":
@@ -112,7 +115,8 @@ def case(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Case]:
 def test_implements_the_protocol(case: Case) -> None:
     tier = case.make(0, 1)
     assert isinstance(tier, Tier) and isinstance(tier.durability, Durability)
-    assert isinstance(tier, RamTier) == (tier.durability is Durability.process)
+    assert isinstance(tier, RamTier) == tier.ram
+    assert tier.ram or tier.durability is not Durability.process
     assert isinstance(tier, CollectiveTier) == tier.collective
     written = tier.write(make_snapshot(1))
     assert isinstance(written, Written) and written.step == 1 and written.nbytes > 0

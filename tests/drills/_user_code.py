@@ -26,17 +26,23 @@ step K, in launch ``L`` (``--fault-launch``) on its first torchrun attempt only:
   persist step P before K, rank R fills it, so every rank's local-disk write of P fails with ENOSPC from the
   filesystem itself; training goes on, then rank R SIGKILLs itself at K. The disk stays full: the restart must
   restore the newest step committed before P, and train on while every later persist fails;
-* ``node-loss``: rank R's node is lost with its RAM and disk: its shards are deleted and it SIGKILLs itself;
+* ``node-loss``: rank R's node is lost with its RAM and disk: its shards and its snapshots in shared memory are
+  deleted and it SIGKILLs itself;
+* ``ram-loss``: rank R's node loses its RAM but keeps its disk (a reboot): its snapshots in shared memory are deleted
+  and it SIGKILLs itself; the restart goes back to the disk tier;
+* ``sigkill-both``: every rank SIGKILLs itself as step K + 1 starts (after a barrier: all of them have done step K);
+* ``sigkill-snapshot``: rank R is SIGKILLed while the snapshot copy of step K is half-way (armed by the script: the
+  background copy stalls after half of its tensors); the restart must restore the step before K;
 * ``sigkill-peer-send``: with ``--checkpoint tiered`` (a peer tier), rank R is SIGKILLed as it starts sending its
   shard of peer step K to its peer, which is waiting to receive it (armed by the script that owns the tier);
 * ``s3-outage``: with ``--checkpoint s3`` (a remote tier on a local S3 server), the server is killed as rank R
   starts uploading the persist step before K and comes back seconds later (armed by the script); at K, once its
   persists settled, rank R loses its node's disk and is SIGKILLed: the restart must restore the newest step every
-  rank has somewhere, rank R's from the store.
+  rank has somewhere, rank R's from the store (its shared memory is lost with the node).
 
 Every fault writes ``RUN/faults.jsonl`` (one line per fault: kind, rank, step, wall time, the step it damaged) before
-it fires; every attempt's report gives what the checkpoint directory held before the engine touched it
-(``committed``: step -> ranks), the restored step and the wall time of its first step.
+it fires; every attempt's report gives what the checkpoint directory and the node's shared memory held before the
+engine touched them (``committed``: step -> ranks), the restored step and the wall time of its first step.
 """
 
 from __future__ import annotations
@@ -75,6 +81,9 @@ FAULTS = (
     "sigkill-peer-send",
     "s3-outage",
     "disk-full",
+    "ram-loss",
+    "sigkill-both",
+    "sigkill-snapshot",
 )
 CHECKPOINTS = ("local", "tiered", "s3")
 """``--checkpoint``: the checkpoint preset of ``resilience=default`` (``local``) or ``resilience/checkpoint=tiered``
@@ -82,6 +91,8 @@ CHECKPOINTS = ("local", "tiered", "s3")
 ``resilience/checkpoint=tiered_s3`` (RAM, local disk and an S3 store, both every 10 steps)."""
 PERSIST_EVERY = 10  # the local tier's cadence in the default preset (configs/resilience/checkpoint/local.yaml)
 START_LIMIT_S = 20.0  # a submitted persist reaches the disk within milliseconds
+Restored = Callable[[Trainer], "int | tuple[int | None, str | None] | None"]
+"""The step an attempt restored (None: started fresh), or that step and the tier it came from."""
 
 
 # ---------------------------------------------------------------------------------------------- the user's code
@@ -198,6 +209,8 @@ class Fault(Callback):
         """Waits for this rank's persists in flight (set by the script that owns the checkpoint engine): a fault that
         needs a committed step (to damage, to delete, to be killed restoring) settles first, so a slow disk on a
         loaded machine cannot leave it nothing to hit."""
+        self.lose_ram: Callable[[], object] = lambda: None
+        """Deletes this rank's snapshots in the node's shared memory (set by the script that knows where they are)."""
 
     @property
     def _persist_step(self) -> int:
@@ -217,6 +230,11 @@ class Fault(Callback):
             self._kill()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if self.kind == "sigkill-both" and trainer.global_step == self.step:
+            trainer.strategy.barrier("sigkill-both")  # every rank has finished step K: none dies inside it
+            self._record()
+            print(f"DRILL: rank {trainer.global_rank} sigkill-both after step {self.step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         hits_persist = self.kind in ("sigkill-persist", "enospc", "s3-outage", "disk-full")
         if hits_persist and trainer.global_step == self._persist_step - 1:
             # every rank, the step before the persist the fault hits: a persist that finds the previous one still
@@ -239,24 +257,34 @@ class Fault(Callback):
         if self.kind == "disk-full":
             self._record(damaged=self._persist_step)
             self._kill()
-        if self.kind in ("sigkill", "sigkill-restore", "sigkill-persist", "enospc"):
-            # the persist runs on the engine's thread: wait until it is half-way through the shard (or has failed)
+        if self.kind in ("sigkill", "sigkill-restore", "sigkill-persist", "enospc", "sigkill-snapshot"):
+            # the persist (the snapshot copy) runs on the engine's thread: wait until it is half-way through the
+            # shard (or has failed)
             if self.kind in ("sigkill-persist", "enospc") and not self.in_flight.wait(START_LIMIT_S):
                 raise RuntimeError(f"the persist before step {self.step} never started; cannot fault during it")
+            if self.kind == "sigkill-snapshot" and not self.in_flight.wait(START_LIMIT_S):
+                raise RuntimeError(f"the snapshot copy of step {self.step} never started; cannot fault during it")
             hit = self.kind in ("sigkill-persist", "enospc")
-            self._record(damaged=self._persist_step if hit else None)
+            damaged = self._persist_step if hit else self.step if self.kind == "sigkill-snapshot" else None
+            self._record(damaged=damaged)
+            self._kill()
+        elif self.kind == "ram-loss":
+            self._record(damaged=None)
+            self.lose_ram()
             self._kill()
         elif self.kind in ("corrupt-shard", "truncate-shard", "node-loss", "s3-outage"):
             mine = sorted(s for s, ranks in committed_in(self.run_dir / "ckpt").items() if self.rank in ranks)
             shards = [self.run_dir / "ckpt" / f"step_{s:012d}" / f"rank_{self.rank:05d}" for s in mine]
-            if self.kind == "s3-outage":  # the node's disk is lost: its shards are no longer anywhere but the store
+            if self.kind == "s3-outage":  # the node is lost: its shards are no longer anywhere but the store
                 self._record(damaged=None, phase="node-loss")
                 for shard in shards:
                     shutil.rmtree(shard)
+                self.lose_ram()
             elif self.kind == "node-loss":
                 self._record(damaged=mine)
-                for shard in shards:  # the node's disk is gone with it
+                for shard in shards:  # the node's disk and RAM are gone with it
                     shutil.rmtree(shard)
+                self.lose_ram()
             elif shards:
                 self._record(damaged=mine[-1])
                 _damage(shards[-1], self.kind)
@@ -268,10 +296,11 @@ class Fault(Callback):
 class Report(Callback):
     """Writes what this attempt restored and where it ended, as a small JSON file.
 
-    ``restored`` gives the restored step (None: started fresh); by default a run that starts past step 0 restored it.
+    ``restored`` gives the restored step (None: started fresh), or the step and the tier it came from; by default a
+    run that starts past step 0 restored it.
     """
 
-    def __init__(self, path: Path, report: dict[str, Any], restored: Callable[[Trainer], int | None] | None = None):
+    def __init__(self, path: Path, report: dict[str, Any], restored: Restored | None = None):
         self.path, self.report = path, report
         self.restored = restored or (lambda trainer: trainer.global_step or None)
 
@@ -282,7 +311,9 @@ class Report(Callback):
         os.replace(tmp, self.path)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.report.update(restored_step=self.restored(trainer), start_step=trainer.global_step)
+        restored = self.restored(trainer)
+        step, source = restored if isinstance(restored, tuple) else (restored, None)
+        self.report.update(restored_step=step, restored_from=source, start_step=trainer.global_step)
         self._write()
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
@@ -312,17 +343,19 @@ def parse(argv: list[str], description: str) -> argparse.Namespace:
 
 def drill_callbacks(
     args: argparse.Namespace,
-    restored: Callable[[Trainer], int | None] | None = None,
-    store: Callable[[], dict[int, list[int]]] | None = None,
+    restored: Restored | None = None,
+    *elsewhere: Callable[[], dict[int, list[int]]],
 ) -> list[Any]:
-    """This attempt's report, and the fault when this launch's first attempt is the one to hit. ``store`` lists
-    what a remote tier holds (step -> ranks), for the report's ``committed``."""
+    """This attempt's report, and the fault when this launch's first attempt is the one to hit. ``elsewhere`` list
+    what other tiers hold (step -> ranks: a remote store, the node's shared memory), for the report's
+    ``committed``."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     tag = f"launch{args.launch}_attempt{attempt}_rank{int(os.environ.get('RANK', '0'))}"
     # what the checkpoint directory held before the engine touched it (the restart's own view of what is committed)
     held = committed(args.run_dir)
-    for step, ranks in (store() if store is not None else {}).items():
-        held[step] = sorted(set(held.get(step, [])) | set(ranks))
+    for listing in elsewhere:
+        for step, ranks in listing().items():
+            held[step] = sorted(set(held.get(step, [])) | set(ranks))
     before = {"launch": args.launch, "committed": held, "start_time": time.time()}
     out: list[Any] = [Report(args.run_dir / "reports" / f"{tag}.json", before, restored)]
     in_plumbing = ("none", "hang-collective", "sigkill-peer-send")  # armed by the script inside our tiers and groups

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -30,8 +31,10 @@ from hydra import compose, initialize_config_dir
 from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_everything
 from torch.utils.data import DataLoader
 
-from lightning_resilience import DecidedExit, LocalTier, RemoteTier, Suite, TieredCheckpoint
+from lightning_resilience import DecidedExit, LocalTier, MemoryTier, RemoteTier, Suite, TieredCheckpoint
+from lightning_resilience.checkpoint import host_copy
 from lightning_resilience.checkpoint.layout import parse_step
+from lightning_resilience.checkpoint.shared_memory import held_steps, rank_directory, resolve_run_key
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
 from lightning_resilience.checkpoint.tier import Written
 from lightning_resilience.checkpoint.tree import TensorSpec
@@ -185,7 +188,11 @@ def arm(args: argparse.Namespace, extra: list[Callback], callbacks: list[Callbac
         fault.settle = lambda: tiered.manager is not None and tiered.manager.wait(SETTLE_LIMIT)
     if rank != args.fault_rank or args.launch != args.fault_launch:
         return
-    if fault is not None and fault.kind == "sigkill-persist":
+    if fault is not None and fault.kind in ("node-loss", "ram-loss", "s3-outage"):
+        arm_ram_loss(fault, callbacks)
+    if fault is not None and fault.kind == "sigkill-snapshot":
+        arm_snapshot_stall(fault, extra)
+    elif fault is not None and fault.kind == "sigkill-persist":
         arm_persist_stall(fault, callbacks)
     elif fault is not None and fault.kind == "enospc":
         arm_full_disk(fault, callbacks)
@@ -199,9 +206,60 @@ def arm(args: argparse.Namespace, extra: list[Callback], callbacks: list[Callbac
         arm_store_outage(args, callbacks)
 
 
-def _restored(trainer: Trainer) -> int | None:
+def shared_memory(callbacks: list[Callback]) -> tuple[Path, str | None]:
+    """Where the default preset's RAM tier keeps its snapshots on this node: its shm_dir, and this run's key."""
+    tiered = next(c for c in callbacks if isinstance(c, TieredCheckpoint))
+    memory = next(t for t in tiered.tiers if isinstance(t, MemoryTier))
+    key = resolve_run_key(memory.config.run_id)
+    return Path(memory.config.shm_dir), key[0] if key is not None else None
+
+
+def held_in_shared_memory(callbacks: list[Callback]) -> dict[int, list[int]]:
+    """Step -> ranks whose snapshot of it the node's shared memory holds whole (what a restart finds there)."""
+    root, key = shared_memory(callbacks)
+    return held_steps(root, key) if key is not None else {}
+
+
+def arm_ram_loss(fault: Fault, callbacks: list[Callback]) -> None:
+    """A lost node loses its RAM: this rank's snapshots in shared memory are deleted before it dies."""
+    root, key = shared_memory(callbacks)
+    rank = int(os.environ.get("RANK", "0"))
+    if key is not None:
+        fault.lose_ram = lambda: shutil.rmtree(rank_directory(root, key, rank), ignore_errors=True)
+
+
+class _ArmAt(Callback):
+    """Sets ``event`` as step ``step`` ends, before the checkpoint callback (Lightning runs it last) snapshots it."""
+
+    def __init__(self, step: int, event: threading.Event) -> None:
+        self.step, self.event = step, event
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            self.event.set()
+
+
+def arm_snapshot_stall(fault: Fault, extra: list[Callback]) -> None:
+    """Make the background copy of step ``--fault-step``'s snapshot stall after half of its tensors (the fault then
+    kills the rank while that copy is in flight)."""
+    copy_pairs, armed = host_copy.copy_pairs, threading.Event()
+
+    def stalling(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if armed.is_set() and threading.current_thread().name == "lr-snapshot-copy":
+            armed.clear()
+            copy_pairs(pairs[: len(pairs) // 2])
+            print(f"DRILL: the snapshot copy of step {fault.step} stalls half-way", flush=True)
+            fault.in_flight.set()
+            threading.Event().wait(HANG_LIMIT_S)
+        copy_pairs(pairs)
+
+    host_copy.copy_pairs = stalling  # type: ignore[assignment]
+    extra.append(_ArmAt(fault.step, armed))
+
+
+def _restored(trainer: Trainer) -> tuple[int | None, str | None]:
     checkpoint = Suite.of(trainer).checkpoint
-    return checkpoint.stats.restored_step if checkpoint is not None else None
+    return (checkpoint.stats.restored_step, checkpoint.stats.restored_from) if checkpoint is not None else (None, None)
 
 
 def main(argv: list[str]) -> int:
@@ -212,11 +270,11 @@ def main(argv: list[str]) -> int:
     model = Regressor()
     callbacks = default_preset_callbacks(args.run_dir, args.checkpoint)
     # ---- the drill's additions
-    store = None
+    elsewhere = [lambda: held_in_shared_memory(callbacks)]
     if args.checkpoint == "s3":
         endpoint = os.environ[ENDPOINT_ENV]
-        store = lambda: committed_in_store(endpoint, args.run_dir.name)  # noqa: E731
-    extra = drill_callbacks(args, _restored, store)
+        elsewhere.append(lambda: committed_in_store(endpoint, args.run_dir.name))
+    extra = drill_callbacks(args, _restored, *elsewhere)
     arm(args, extra, callbacks)
     # ---- the user's script
     return fit_and_save(user_trainer(args, [*callbacks, *extra]), model, loader, args)

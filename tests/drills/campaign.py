@@ -7,8 +7,9 @@ against four invariants:
 * **bitwise exact**: the final weights equal those of an uninterrupted run (one reference run per loader
   configuration, cached for the campaign);
 * **no lost committed step, no load of a corrupt step**: every attempt after the fault restores exactly the newest
-  step that every rank had committed on disk when it started, leaving out the steps the fault damaged (a corrupt or
-  truncated shard, a write that hit ENOSPC, a persist killed half-way);
+  step that every rank held whole when it started, on disk or in the node's shared memory, leaving out the steps the
+  fault damaged (a corrupt or truncated shard, a write that hit ENOSPC, a persist or a snapshot copy killed
+  half-way); the steps recomputed after each kill are counted;
 * **no wait longer than its deadline**: every launch is bounded (``Drill.timeout_s``) and the time to recover, from
   the fault to the first step after the restore, stays within the fault's deadline (:data:`DEADLINE_S`);
 * **no leftover process**: once the job has ended, no process of the drill (launcher, ranks, loader workers) is left.
@@ -61,6 +62,13 @@ DEADLINE_S = {kind: RESTART_S for kind in FAULTS} | {
     "sigkill-restore": 2 * RESTART_S,  # two restarts: the second fault hits the first restart's restore
 }
 """Longest time to recover, per fault: from the (first) fault to the first step after the restore."""
+_KILLS = tuple(
+    f
+    for f in FAULTS
+    if f.startswith("sigkill")
+    or f in ("node-loss", "ram-loss", "corrupt-shard", "truncate-shard", "enospc", "disk-full")
+)
+"""Faults that kill a rank at a step: the steps recomputed after them are counted."""
 FULL_DISK_UNAVAILABLE = "the full disk could not be set up"
 """The problem of a ``disk-full`` drill where no tmpfs can be mounted (the CI subset skips it)."""
 LEFTOVER_GRACE_S = 15.0
@@ -82,7 +90,7 @@ def draw(seed: int, steps: int = STEPS, faults: tuple[str, ...] = FAULTS[1:]) ->
         step = rng.randint(FIRST_HANG_STEP, steps - 3)
     elif fault.startswith("sigterm"):  # a stop is agreed on a step or two after the signal: leave room
         step = rng.randint(2, steps - 10)
-    elif fault in ("sigkill-restore", "corrupt-shard", "truncate-shard"):  # something committed to restore or damage
+    elif fault in ("sigkill-restore", "corrupt-shard", "truncate-shard", "ram-loss"):  # something on disk
         step = rng.randint(PERSIST_EVERY + 2, steps - 2)
     else:
         step = rng.randint(2, steps - 3)
@@ -107,6 +115,9 @@ class Outcome:
     restored: list[int | None] = field(default_factory=list)
     """The step each attempt after the fault restored (rank 0's view; every rank is checked)."""
     damaged: list[int] = field(default_factory=list)
+    recomputed: list[int] = field(default_factory=list)
+    """Steps trained again after each restart that followed a kill: the step the fault hit minus the step restored
+    (rank 0's view)."""
     run_dir: str = ""
     faults: str = ""
     """The campaign's fault filter (``FAULTS=`` of the make target; empty: every kind)."""
@@ -187,6 +198,8 @@ def check(result: DrillResult, reference: dict[str, torch.Tensor], outcome: Outc
         restored = report["restored_step"]
         if rank == 0:
             outcome.restored.append(restored)
+            if drill.fault in _KILLS:
+                outcome.recomputed.append(drill.step - (restored or 0))
         if restored in damaged:
             problems.append(f"launch {launch} attempt {attempt} rank {rank} loaded the damaged step {restored}")
         elif restored != expected:
@@ -337,23 +350,26 @@ def _write_results(path: Path, seed: int, n: int, steps: int, outcomes: list[Out
 def table(campaigns: list[dict[str, Any]]) -> str:
     """The campaign table (fault x drills x outcome x time to recover) of one or more results files, as Markdown."""
     rows = [
-        "| fault | drills | passed | failed | time to recover, median (s) | max (s) | deadline (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| fault | drills | passed | failed | fault to first good step, median (s) | max (s) | deadline (s) "
+        "| steps recomputed, median | max |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     drills = [d for c in campaigns for d in c["drills"]]
     for kind in FAULTS[1:]:
         mine = [d for d in drills if d["fault"] == kind]
         if not mine:
-            rows.append(f"| {kind} | 0 | - | - | - | - | {DEADLINE_S[kind]:.0f} |")
+            rows.append(f"| {kind} | 0 | - | - | - | - | {DEADLINE_S[kind]:.0f} | - | - |")
             continue
         passed = sum(not d["problems"] for d in mine)
         times = [d["recovery_s"] for d in mine if d["recovery_s"] is not None]
         median = f"{statistics.median(times):.1f}" if times else "-"
         worst = f"{max(times):.1f}" if times else "-"
         counts = f"{len(mine)} | {passed} | {len(mine) - passed}"
-        rows.append(f"| {kind} | {counts} | {median} | {worst} | {DEADLINE_S[kind]:.0f} |")
+        redone = [n for d in mine for n in d.get("recomputed") or []]  # campaigns before the field have none
+        lost = f"{statistics.median(redone):.0f} | {max(redone)}" if redone else "- | -"
+        rows.append(f"| {kind} | {counts} | {median} | {worst} | {DEADLINE_S[kind]:.0f} | {lost} |")
     failed = [d for d in drills if d["problems"]]
-    rows.append(f"| **all** | **{len(drills)}** | **{len(drills) - len(failed)}** | **{len(failed)}** | | | |")
+    rows.append(f"| **all** | **{len(drills)}** | **{len(drills) - len(failed)}** | **{len(failed)}** | | | | | |")
     lines = [BEGIN]
     for c in campaigns:
         ran = len(c["drills"])

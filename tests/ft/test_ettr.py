@@ -4,11 +4,12 @@ notes left by ranks become the cause of an attempt's end, and the time accountin
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from lightning_resilience.ft.ettr import LEDGER_FILE, EttrLedger, account
+from lightning_resilience.ft.ettr import LEDGER_FILE, EttrLedger, account, describe_restart, process_started_at
 from lightning_resilience.ft.restart import FaultNote, atomic_write_json, current_attempt, write_fault_note
 
 
@@ -145,3 +146,63 @@ def test_in_process_rollbacks_count_as_recomputation_of_their_attempt(tmp_path: 
     r = ledger.report()
     assert r.recomputed_steps == 2 and r.recompute_s == pytest.approx(2.0)
     assert r.productive_s == pytest.approx(r.training_s - 2.0)
+
+
+def test_each_restart_names_its_steps_lost_and_where_every_second_went(tmp_path: Path) -> None:
+    """Fault to first good step, in parts that add up: detection (the attempt's end recorded after its last step),
+    relaunch, imports, rendezvous, setup, restore, first step."""
+    clock = WallClock()
+    ledger = _attempt(tmp_path, clock, 0)
+    _run_steps(ledger, clock, 0, 47, step_s=0.1, blocking=0.0)
+    fault = clock.now
+    clock.now += 1.5  # the peers' collective fails
+    ledger.end_attempt("exception", FaultNote(kind="exception", rank=0, attempt=0, step=47, detected_at=clock.now))
+    clock.now += 2.0  # teardown, the launcher, new processes
+    process = clock.now
+    clock.now += 3.0  # imports
+    ready = clock.now
+    clock.now += 1.0  # rendezvous, process group
+    ledger = EttrLedger(tmp_path, wall_clock=clock, interval_s=0.0)
+    ledger.begin_attempt(restart_count=1, launcher="torchrun", world_size=2, job_id="j",
+                         process_started_at=process, script_ready_at=ready)  # fmt: skip
+    clock.now += 0.25  # setup before the restore
+    clock.now += 0.05  # the restore
+    restored_at = clock.now
+    clock.now += 0.2  # data loaders
+    ledger.first_step(47, restored_step=47, restored_from="memory", restore_s=0.05, restored_at=restored_at)
+    clock.now += 0.3
+    ledger.first_step_done()
+    ledger.heartbeat(48)
+    (cost,) = ledger.report().restart_costs
+    assert (cost.attempt, cost.cause, cost.steps_lost, cost.restored_from) == (1, "exception", 0, "memory")
+    expected = {"detection": 1.5, "relaunch": 2.0, "imports": 3.0, "rendezvous": 1.0, "setup": 0.45,
+                "restore": 0.05, "first_step": 0.3}  # fmt: skip
+    assert cost.parts == pytest.approx(expected)
+    assert cost.fault_to_first_good_step_s == pytest.approx(clock.now - fault) == pytest.approx(sum(expected.values()))
+    assert cost.share("imports") == pytest.approx(3.0 / 8.3)
+    line = describe_restart(asdict(cost))
+    assert "0 steps lost, resumed from 'memory'" in line and "imports 3.00s (36%)" in line
+
+
+def test_a_restart_without_the_new_moments_folds_them_into_the_next_part(tmp_path: Path) -> None:
+    """A ledger of an older version (no process start, no restore end): the parts still add up, with the unknown
+    moments inside their neighbours, and the steps lost are counted."""
+    clock = WallClock()
+    ledger = _attempt(tmp_path, clock, 0)
+    _run_steps(ledger, clock, 0, 12, step_s=1.0, blocking=0.0)
+    fault = clock.now
+    clock.now += 6.0
+    ledger = _attempt(tmp_path, clock, 1)
+    _run_steps(ledger, clock, 10, 14, step_s=1.0, blocking=0.0)
+    (cost,) = ledger.report().restart_costs
+    assert cost.steps_lost == 2
+    assert cost.parts["relaunch"] == 0.0 and cost.parts["detection"] == 0.0
+    assert cost.parts["rendezvous"] == pytest.approx(6.0)  # the ledger's first entry is the only mark of the gap
+    assert cost.fault_to_first_good_step_s == pytest.approx(6.5) == pytest.approx(clock.now - 4.0 - fault)
+
+
+def test_process_start_time_is_before_now() -> None:
+    import time
+
+    started = process_started_at()
+    assert started is not None and started <= time.time() + 0.01

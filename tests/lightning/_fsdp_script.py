@@ -20,6 +20,7 @@ from lightning_resilience import (
     ResilientModelParallelStrategy,
     TieredCheckpoint,
 )
+from lightning_resilience.lightning.strategies import model_parallel as model_parallel_module
 from recipes._gpt import TinyGPT
 from tests.lightning._training import TINY, CrashAt, build, trainer
 
@@ -42,6 +43,30 @@ class DrainBefore(Callback):
             trainer.strategy.barrier("drain-before-crash")
 
 
+class SnapshotSources(Callback):
+    """Records how every snapshot of the sharded state was taken, and whether its tensors are the parameters' own
+    shards (not copies): printed as ``OFFLOAD=`` (the cpu_offload options used) and ``SHARDS_IN_PLACE=``."""
+
+    def __init__(self) -> None:
+        self.offload: set[bool] = set()
+        self.in_place = True
+        strategies = model_parallel_module
+        take = strategies.get_model_state_dict
+
+        def recording(model: Any, *args: Any, options: StateDictOptions | None = None, **kwargs: Any) -> Any:
+            self.offload.add(bool(options is not None and options.cpu_offload))
+            state = take(model, *args, options=options, **kwargs)
+            shards = {n: p.to_local().untyped_storage().data_ptr() for n, p in model.named_parameters()}
+            self.in_place &= all(state[n].to_local().untyped_storage().data_ptr() == ptr for n, ptr in shards.items())
+            return state
+
+        strategies.get_model_state_dict = recording
+
+    def on_train_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_rank == 0:
+            print(f"OFFLOAD={sorted(self.offload)} SHARDS_IN_PLACE={int(self.in_place)}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt", type=Path)
@@ -61,6 +86,8 @@ def main() -> None:
     callbacks: list[Any] = []
     if args.ckpt is not None:
         callbacks.append(TieredCheckpoint([MemoryTier(1, 2), LocalTier(args.ckpt, every_n_steps=5, keep=2)]))
+    if args.ckpt is not None and not args.ddp:
+        callbacks.append(SnapshotSources())
     if args.crash_at > 0:
         if callbacks:
             # both ranks commit the last persist before either crashes: once one rank dies the launcher kills the

@@ -44,6 +44,9 @@ def test_crash_and_resume_is_bitwise_exact(tmp_path: Path, kind: str) -> None:
 
     resumed = _torchrun(*flags, "--steps", "16", "--ckpt", str(ckpt), "--out", str(tmp_path / "out.pt"), "--perturb")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
+    if kind == "fsdp2":
+        # every snapshot took the shards where they are (no cpu_offload copy) and copied them into its own buffers
+        assert "OFFLOAD=[False] SHARDS_IN_PLACE=1" in resumed.stdout, resumed.stdout[-2000:]
     # the persist due at step 10 may be deferred a step by a busy worker on a loaded machine, never skipped
     restored = int(resumed.stdout.split("RESTORED_STEP=")[1].split()[0])
     assert 10 <= restored <= 12 and restored in committed

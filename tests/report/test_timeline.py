@@ -92,3 +92,43 @@ def test_without_matplotlib_nothing_is_drawn(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert draw_timeline(timeline, tmp_path / "out") == []
     assert not (tmp_path / "out").exists()
+
+
+def test_a_restart_gap_is_split_into_relaunch_imports_rendezvous_setup_and_restore(tmp_path: Path) -> None:
+    """With the moments a ledger records (process start, script ready, restore end), each second of the gap is in
+    its band, and the bands still tile the wall clock."""
+    clock = Clock()
+    ledger = EttrLedger(tmp_path, wall_clock=clock, interval_s=0.0)
+    ledger.begin_attempt(restart_count=0, launcher="torchrun", world_size=2, job_id="j")
+    clock.t += 1.0
+    ledger.first_step(0)
+    for step in range(1, 11):
+        clock.t += 0.5
+        ledger.heartbeat(step)
+    clock.t += 2.0
+    ledger.end_attempt("exception")  # detected 2 s after the last step
+    clock.t += 1.0
+    process = clock.t  # relaunch: 1 s
+    clock.t += 4.0
+    ready = clock.t  # imports: 4 s
+    clock.t += 1.5
+    ledger = EttrLedger(tmp_path, wall_clock=clock, interval_s=0.0)  # rendezvous: 1.5 s
+    ledger.begin_attempt(restart_count=1, launcher="torchrun", world_size=2, job_id="j",
+                         process_started_at=process, script_ready_at=ready)  # fmt: skip
+    clock.t += 0.4
+    ledger.first_step(10, restored_step=10, restored_from="memory", restore_s=0.1, restored_at=clock.t - 0.2)
+    clock.t += 0.5
+    ledger.first_step_done()
+    ledger.heartbeat(11)
+    ledger.end_attempt("finished")
+    timeline = build_timeline(ledger.attempts)
+    seconds = timeline.seconds_by_kind()
+    assert seconds["detection"] == pytest.approx(2.0) and seconds["relaunch"] == pytest.approx(1.0)
+    assert seconds["imports"] == pytest.approx(4.0) and seconds["rendezvous"] == pytest.approx(1.5)
+    assert seconds["restore"] == pytest.approx(0.1) and seconds["startup"] == pytest.approx(1.0 + 0.3)
+    bands = sorted(timeline.bands, key=lambda b: b.start)
+    for a, b in itertools.pairwise(bands):
+        assert b.start == pytest.approx(a.end), (a, b)
+    assert sum(seconds.values()) == pytest.approx(timeline.wall_s)
+    (cost,) = timeline.ettr["restart_costs"]
+    assert cost["steps_lost"] == 0 and cost["fault_to_first_good_step_s"] == pytest.approx(2 + 1 + 4 + 1.5 + 0.4 + 0.5)

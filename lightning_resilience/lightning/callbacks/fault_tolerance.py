@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing_extensions import override
 from lightning_resilience.checkpoint.stats import CheckpointStats
 from lightning_resilience.exit_codes import DecidedExit
 from lightning_resilience.ft.config import FaultToleranceConfig
-from lightning_resilience.ft.ettr import EttrLedger, EttrReport, failure_history
+from lightning_resilience.ft.ettr import EttrLedger, EttrReport, describe_restart, failure_history, process_started_at
 from lightning_resilience.ft.heartbeat import RankMonitorBridge, connect_rank_monitor
 from lightning_resilience.ft.preemption import PreemptionNotice
 from lightning_resilience.ft.rendezvous import prepare_restarts, restart_hazard
@@ -90,6 +91,8 @@ class FaultTolerance(Callback):
         self._started_training = False
         self._boundaries = 0
         self._trainer: Trainer | None = None
+        self._ready_at = time.time()  # the script has imported and built its callbacks: the restart breakdown's mark
+        self._first_done = False
 
     def __getstate__(self) -> dict[str, Any]:
         # spawn launchers pickle callbacks: threads, sockets, stores and open files are per process
@@ -129,7 +132,7 @@ class FaultTolerance(Callback):
             return
         cfg = self.config
         # a callback reused for another fit starts a new attempt (its calibration is kept)
-        self._started_training, self._boundaries = False, 0
+        self._started_training, self._boundaries, self._first_done = False, 0, False
         self.preempted_at = self.emergency_saved = None
         self.exception = None
         self.run_dir = RunDir.resolve(cfg.run_dir, trainer.default_root_dir).root
@@ -166,6 +169,8 @@ class FaultTolerance(Callback):
                 launcher=self.attempt.launcher,
                 world_size=trainer.world_size,
                 job_id=self.attempt.job_id,
+                process_started_at=process_started_at(),
+                script_ready_at=self._ready_at,
             )
 
     @override
@@ -208,6 +213,7 @@ class FaultTolerance(Callback):
                     restored_step=stats.restored_step if stats is not None else None,
                     restored_from=stats.restored_from if restored and stats is not None else None,
                     restore_s=stats.restore_seconds if restored and stats is not None else None,
+                    restored_at=stats.restored_at if restored and stats is not None else None,
                 )
             if self.monitor is not None:
                 self.monitor.end_section("setup")
@@ -233,6 +239,9 @@ class FaultTolerance(Callback):
             return
         if decision is not None and decision.event is Event.PREEMPTION and self.preempted_at is None:
             self.preempted_at = decision.step  # agreed by every rank: the policy decided at this boundary
+        if self.ledger is not None and not self._first_done:
+            self._first_done = True
+            self.ledger.first_step_done()
         if self.ledger is not None:
             self.ledger.heartbeat(
                 step,
@@ -441,4 +450,5 @@ class FaultTolerance(Callback):
                 f"  {report.attempts} attempts, {report.restarts} restarts"
                 + (f": causes {', '.join(report.causes)}" if report.causes else ""),
             ]
+            lines += [f"  restart {c.attempt}: {describe_restart(asdict(c))}" for c in report.restart_costs]
         return "\n".join(lines)

@@ -8,15 +8,17 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_resilience.exit_codes import DecidedExit
 from lightning_resilience.lightning.coordination import Reporting, Suite
-from lightning_resilience.report import ResilienceReport, assemble, write_report
 from lightning_resilience.rundir import RunDir
+
+if TYPE_CHECKING:
+    from lightning_resilience.report import ResilienceReport
 
 __all__ = ["ResilienceReportCallback"]
 
@@ -160,6 +162,8 @@ class ResilienceReportCallback(Callback):
 
             # a log file (not a terminal) gets lines wide enough for the attempts table
             console = Console(width=None if sys.stdout.isatty() else 140)
+        from lightning_resilience.report import write_report  # imported when needed: not on a restart's path
+
         files = write_report(
             self.last_report,
             run_dir,
@@ -174,6 +178,8 @@ class ResilienceReportCallback(Callback):
 
     def collect(self, trainer: Trainer, status: str = "running") -> ResilienceReport:
         """Assemble the report from the callbacks on ``trainer`` now (any rank; nothing written)."""
+        from lightning_resilience.report import assemble  # imported when needed: not on a restart's path
+
         sections: dict[str, dict[str, Any]] = {}
         summaries: dict[str, str] = {}
         suite = self._suite or Suite.of(trainer)

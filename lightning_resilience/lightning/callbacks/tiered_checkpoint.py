@@ -30,7 +30,6 @@ from lightning_resilience.lightning._trainer_state import (
     restore_trainer_state,
 )
 from lightning_resilience.lightning.coordination import Suite
-from lightning_resilience.report import checkpoint_section
 from lightning_resilience.rundir import RunDir
 
 __all__ = ["TieredCheckpoint"]
@@ -281,6 +280,8 @@ class TieredCheckpoint(Checkpoint):
 
     def report_section(self, blocking_timeline: list[tuple[int, float]]) -> dict[str, Any]:
         """The checkpoint section of the end-of-run report (``blocking_timeline``: (step, seconds blocked))."""
+        from lightning_resilience.report import checkpoint_section  # imported when needed: not on a restart's path
+
         assert self.manager is not None
         return checkpoint_section(
             self.manager.stats,
@@ -345,16 +346,18 @@ class TieredCheckpoint(Checkpoint):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._shutdown()
+            # a fit that ended without a decided stop (or a corrupt state) is the end of the job: nothing is kept
+            suite = self._suite
+            self._shutdown(finished=suite is None or (suite.decision is None and suite.corrupt is None))
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, finished: bool = False) -> None:
         self._fit = None
         self._data.detach()
         for guard in self._guards:
             guard.remove()
         self._guards = []
         if self.manager is not None:
-            self.manager.close()
+            self.manager.close(finished=finished)
 
     # ------------------------------------------------------------------ state
     @override

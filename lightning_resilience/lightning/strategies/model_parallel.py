@@ -9,8 +9,15 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
@@ -24,6 +31,9 @@ from lightning_resilience.checkpoint.standalone import (
 from lightning_resilience.checkpoint.tree import DTensorRebuilder, placement_from_text
 
 __all__ = ["ResilientModelParallelStrategy", "dtensor_rebuilder"]
+
+_SHARDS_IN_PLACE = StateDictOptions(full_state_dict=False, cpu_offload=False)
+"""Each rank's own shards, on their device, not copied: what a per-step snapshot reads."""
 
 
 def dtensor_rebuilder(mesh: DeviceMesh) -> DTensorRebuilder:
@@ -63,6 +73,21 @@ class ResilientModelParallelStrategy(ModelParallelStrategy):
     @property
     def rebuild_dtensor(self) -> DTensorRebuilder:
         return dtensor_rebuilder(self.device_mesh)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # Lightning asks for cpu_offload=True: a blocking device-to-host copy of the whole shard, which the snapshot
+        # would then copy a second time. The shards stay where they are; the snapshot copies them straight into its
+        # (pinned) host buffers, beside the next step.
+        assert self.model is not None
+        return get_model_state_dict(self.model, options=_SHARDS_IN_PLACE)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        assert self.model is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return get_optimizer_state_dict(self.model, optimizer, options=_SHARDS_IN_PLACE)
 
     @property
     @override
