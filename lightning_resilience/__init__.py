@@ -57,18 +57,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# the former per-module constants: the values of ExitCode, kept importable
-HANG_EXIT_CODE = int(ExitCode.HANG)
-PREEMPT_EXIT_CODE = int(ExitCode.PREEMPTED)
-SDC_EXIT_CODE = int(ExitCode.SDC)
-STRAGGLER_EXIT_CODE = int(ExitCode.STRAGGLER)
-
 __all__ = [
-    "SDC_EXIT_CODE",
     "BitFlipInjection",
-    "HANG_EXIT_CODE",
-    "PREEMPT_EXIT_CODE",
-    "STRAGGLER_EXIT_CODE",
     "CheckpointConfig",
     "CheckpointCorruptError",
     "CheckpointManager",

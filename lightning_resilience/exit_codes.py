@@ -22,8 +22,6 @@ class ExitCode(IntEnum):
     SDC = 84
     """The training state is corrupt (a device computes wrong results): restart from the newest verified step,
     excluding the node. Never 0, whatever the policy did about it during the run."""
-    POLICY_STOP = 85
-    """The job was asked to stop through the suite's API (no detector's event): restart."""
     HANG = 86
     """The watchdog ended a hung rank (stack dumps written): restart the group."""
     PREEMPTED = 87

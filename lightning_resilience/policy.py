@@ -30,14 +30,12 @@ __all__ = [
     "Event",
     "PolicyBus",
     "PolicyConfig",
-    "PostedVerdict",
     "Verdict",
 ]
 
 ACTIONS = (
     "log",
     "alert",
-    "exclude",
     "rollback_in_process",
     "checkpoint_and_stop",
     "rollback",
@@ -148,7 +146,6 @@ class Action(str, Enum):
 
     LOG = "log"
     ALERT = "alert"
-    EXCLUDE = "exclude"
     ROLLBACK_IN_PROCESS = "rollback_in_process"
     CHECKPOINT_AND_STOP = "checkpoint_and_stop"
     ROLLBACK = "rollback"
@@ -191,10 +188,6 @@ class Verdict:
             "verified_step": self.verified_step,
             "bad_step": self.bad_step,
         }
-
-
-PostedVerdict = Verdict
-"""Former name of :class:`Verdict`."""
 
 
 @dataclass

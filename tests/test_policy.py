@@ -13,9 +13,8 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_resilience import CheckpointConfig, DecidedExit, ExitCode, LocalTier, MemoryTier, Suite, TieredCheckpoint
-from lightning_resilience.config.policy import PolicyConfig
 from lightning_resilience.lightning.callbacks.policy import ResiliencePolicy
-from lightning_resilience.policy import Action, Event, PolicyBus, Verdict
+from lightning_resilience.policy import Action, Event, PolicyBus, PolicyConfig, Verdict
 from tests._ranks import run_ranks
 from tests.lightning._training import build, trainer
 

@@ -48,11 +48,10 @@ _JOB_STOPS = {
     FailureKind.PREEMPTION: ExitCode.PREEMPTED,
     FailureKind.SDC: ExitCode.SDC,
     FailureKind.STRAGGLER: ExitCode.STRAGGLER,
-    FailureKind.POLICY_STOP: ExitCode.POLICY_STOP,
     FailureKind.NO_PROGRESS: ExitCode.NO_PROGRESS,
 }
 _EXIT_KINDS = {int(code): kind for kind, code in _JOB_STOPS.items()} | {int(ExitCode.HANG): FailureKind.HANG}
-_NOTE_KINDS = {kind.value: kind for kind in FailureKind} | {"policy": FailureKind.POLICY_STOP}
+_NOTE_KINDS = {kind.value: kind for kind in FailureKind}
 
 
 # ---------------------------------------------------------------------------------------------- per rank

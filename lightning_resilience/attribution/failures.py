@@ -26,7 +26,6 @@ class FailureKind(str, enum.Enum):
     PREEMPTION = "preemption"
     SDC = "sdc"
     STRAGGLER = "straggler"
-    POLICY_STOP = "policy_stop"
     NO_PROGRESS = "no_progress"
     LOST = "lost"
     """Ended without a trace: no fault note and no exit record."""

@@ -18,7 +18,6 @@ from typing import Any, cast
 
 import torch
 
-from lightning_resilience.checkpoint._legacy import conform
 from lightning_resilience.checkpoint.cadence import CadenceController
 from lightning_resilience.checkpoint.commits import CommitListeners
 from lightning_resilience.checkpoint.config import CheckpointConfig
@@ -62,7 +61,7 @@ class CheckpointManager:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"checkpoint.tiers must have unique names, got {names}")
-        self.tiers = restore_order([conform(t) for t in tiers])
+        self.tiers = restore_order(list(tiers))
         self.config = config or CheckpointConfig()
         self._clock = clock
         # a RAM tier holds the snapshot buffers themselves (the RamTier protocol), in process or shared memory

@@ -19,7 +19,6 @@ is type-checked against it (type errors name the key too) and then constructed, 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +45,6 @@ __all__ = [
     "register_configs",
     "schema_node",
     "schemas",
-    "structured_schema",
 ]
 
 
@@ -78,16 +76,6 @@ def register_configs(store: Any = None) -> None:
     cs = store or ConfigStore.instance()
     for name, schema in schemas().items():
         cs.store(group="resilience/schema", name=name, node=schema_node(schema))
-
-
-def structured_schema(cls: type) -> type:
-    """Deprecated: the config dataclasses are structured schemas themselves now (choices are string enums)."""
-    warnings.warn(
-        "structured_schema() is deprecated: register or merge the config dataclass itself (or schema_node(cls))",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return cls
 
 
 def schema_node(cls: type) -> DictConfig:

@@ -36,7 +36,6 @@ _KIND_VERDICTS = {
     FailureKind.PREEMPTION: ExitCode.PREEMPTED,
     FailureKind.SDC: ExitCode.SDC,
     FailureKind.STRAGGLER: ExitCode.STRAGGLER,
-    FailureKind.POLICY_STOP: ExitCode.POLICY_STOP,
     FailureKind.NO_PROGRESS: ExitCode.NO_PROGRESS,
 }
 

@@ -162,7 +162,6 @@ _KIND_LABELS = {
     "preemption": "preempted",
     "sdc": "SDC stop",
     "straggler": "straggler stop",
-    "policy_stop": "policy stop",
     "no_progress": "no progress",
     "lost": "died, no trace",
 }

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from lightning_resilience._configurable import as_enum
 from lightning_resilience.checkpoint.cadence import BUDGET, Cadence, TierCosts, plan_cadences
 from lightning_resilience.checkpoint.tier import Durability
+from lightning_resilience.sim.step_cost import SuiteCostConfig
 
 __all__ = [
     "DURABILITIES",
@@ -289,6 +290,8 @@ class SimConfig:
     """Step time, horizon and seed."""
     overhead_budget: float = 0.02
     """Blocking per step the budgeted tiers (``every_n_steps=0``) may cost, a fraction of the step time."""
+    suite: SuiteCostConfig = field(default_factory=SuiteCostConfig)
+    """What the resilience suite's step path adds to every step (fixed, plus a round that outlasts the step)."""
 
     def __post_init__(self) -> None:
         names = [t.name for t in self.tiers]

@@ -72,7 +72,9 @@ class _Tier:
 class _Engine:
     def __init__(self, cfg: SimConfig, trace: FailureTrace) -> None:
         self.cfg = cfg
-        self.tau = cfg.job.step_s
+        self.step_s = cfg.job.step_s
+        self.suite_s = cfg.suite.per_step_s(cfg.cluster.gpus, self.step_s)
+        self.tau = self.step_s + self.suite_s  # every step pays the suite's step path
         self.horizon = cfg.job.horizon_s
         self.target = cfg.job.target_steps
         self.nodes = cfg.cluster.nodes
@@ -305,7 +307,8 @@ class _Engine:
             t = resumed
 
     def result(self, wall: float, final_step: int, seed: int | None, elapsed: float) -> SimResult:
-        self.bd.productive = final_step * self.tau
+        self.bd.productive = final_step * self.step_s
+        self.bd.suite = final_step * self.suite_s
         self.bd.lost = (self.steps_computed - final_step) * self.tau + self.partial
         return SimResult(
             wall_s=wall,

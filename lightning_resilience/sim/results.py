@@ -10,7 +10,16 @@ import numpy as np
 
 __all__ = ["CATEGORIES", "Breakdown", "MonteCarloResult", "SimResult"]
 
-CATEGORIES: tuple[str, ...] = ("productive", "checkpoint", "lost", "detection", "restart", "restore", "degraded")
+CATEGORIES: tuple[str, ...] = (
+    "productive",
+    "suite",
+    "checkpoint",
+    "lost",
+    "detection",
+    "restart",
+    "restore",
+    "degraded",
+)
 
 
 @dataclass
@@ -19,6 +28,8 @@ class Breakdown:
 
     productive: float = 0.0
     """Steps that are part of the final result."""
+    suite: float = 0.0
+    """The resilience suite's own time on the steps that are part of the final result (its step path)."""
     checkpoint: float = 0.0
     """Training loop stopped for checkpoints (blocking part only)."""
     lost: float = 0.0

@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import socket
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -348,9 +349,22 @@ class StragglerDetector:
             series_score = "relative" if name == KERNELS else score if rank >= 0 else "individual"
             decisions += self.episodes.update(
                 i, rank, name, step, previous, events, board.cusum, score=series_score, nodes=self.nodes,
-                node_index=self.node_index,
+                node_index=self.node_index, evidence=self._waited_for,
             )  # fmt: skip
         return decisions
+
+    def _waited_for(self, rank: int) -> str:
+        """Who waits for whom over the last confirmation window: the median collective wait per step of the other
+        ranks, and of ``rank`` ('' when waits are not measured)."""
+        recent = [waits for _, s in list(self.history)[-self.config.confirm_steps :] if (waits := s.get(WAIT))]
+        others = [w for row in recent for r, w in enumerate(row) if r != rank and math.isfinite(w)]
+        own = [row[rank] for row in recent if rank < len(row) and math.isfinite(row[rank])]
+        if not others or not own:
+            return ""
+        return (
+            f"the other ranks waited {statistics.median(others) * 1e3:.1f} ms per step in collectives, "
+            f"rank {rank} {statistics.median(own) * 1e3:.1f} ms"
+        )
 
     def _update_nodes(self, payloads: Sequence[Payload]) -> None:
         self.nodes = [str(p.get("host", "")) for p in payloads]

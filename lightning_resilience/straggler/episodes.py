@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -64,6 +64,7 @@ class Episodes:
         score: str,
         nodes: Sequence[str],
         node_index: Sequence[int],
+        evidence: Callable[[int], str] | None = None,
     ) -> list[Escalation]:
         """The flagged episode of series ``i`` (``rank`` in ``section``) after a change-point update: when just
         confirmed, a verdict if its slowdown stands out of the series' jitter, else a noise-level confirmation that
@@ -81,6 +82,7 @@ class Episodes:
                 onset_step=cusum.onset(i),
                 noise=math.expm1(scale) if math.isfinite(scale) else math.nan,
                 scope="job" if rank == JOB else "rank",
+                evidence=evidence(rank) if evidence is not None and rank != JOB else "",
             )
             if not (math.isfinite(slowdown) and math.log(slowdown) >= self.config.noise_level * scale):
                 cusum.dismiss(step, np.array([i]))

@@ -59,6 +59,9 @@ class StragglerFinding:
     """The series' step-to-step jitter when confirmed (robust standard deviation, as a fraction: 0.05 = 5%)."""
     scope: str = "rank"
     """'rank' (one rank is slower than the others) or 'job' (all ranks slower than their own history)."""
+    evidence: str = ""
+    """Who waits for whom: the other ranks' collective wait per step against this rank's, when the waits are
+    measured (a rank slow in its own work makes the others wait for it in the gradient all-reduce)."""
 
     @property
     def component(self) -> str:
@@ -70,7 +73,7 @@ class StragglerFinding:
             return f"the whole job is {self.slowdown:.2f}x slower: {self.component} ({since})"
         return (
             f"rank {self.rank} (node {self.node_index}, {self.node}) is {self.slowdown:.2f}x slower in "
-            f"{self.component} ({self.score} score, {since})"
+            f"{self.component} ({self.score} score, {since})" + (f"; {self.evidence}" if self.evidence else "")
         )
 
     def to_dict(self) -> dict[str, Any]:

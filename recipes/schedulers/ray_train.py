@@ -3,7 +3,7 @@
 Ray Train restarts the whole worker group after a worker raises, up to ``FailureConfig(max_failures=N)`` times, from
 the newest checkpoint (ours: ``TieredCheckpoint`` resumes by itself); it reads no exit code. So the training
 function turns the suite's decided exit (:class:`~lightning_resilience.exit_codes.DecidedExit`) into Ray's terms
-(:func:`ray_outcome`): a code a scheduler may retry (85 policy stop, 86 hang, 87 preempted, 83/84 on other
+(:func:`ray_outcome`): a code a scheduler may retry (86 hang, 87 preempted, 83/84 on other
 hardware) is raised, so Ray retries it; a code that must not be retried (88 no progress, 89 diverged) is returned
 as the result, so the run ends, and the driver exits with it::
 

@@ -96,7 +96,7 @@ def test_unknown_target_and_nested_errors() -> None:
     with pytest.raises(ResilienceConfigError, match=r"^resilience\.x\._target_: cannot import"):
         build(OmegaConf.create({"x": {"_target_": "lightning_resilience.NoSuchThing"}}))
     node = OmegaConf.create(
-        {"straggler": {"_target_": "lightning_resilience.config.straggler.StragglerConfig", "window": 2}}
+        {"straggler": {"_target_": "lightning_resilience.straggler.config.StragglerConfig", "window": 2}}
     )
     with pytest.raises(ResilienceConfigError, match=r"^resilience\.straggler\.window must be >= 4, got 2$"):
         build(node)

@@ -37,7 +37,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_resilience import DecidedExit, LocalTier, MemoryTier, ResilientDDPStrategy, Suite, TieredCheckpoint
-from lightning_resilience.config.ft import FaultToleranceConfig
+from lightning_resilience.ft.config import FaultToleranceConfig
 from lightning_resilience.ft.restart import current_attempt
 from lightning_resilience.lightning.callbacks.fault_tolerance import FaultTolerance
 

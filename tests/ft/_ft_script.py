@@ -34,8 +34,8 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_resilience import LocalTier, MemoryTier, ResilientDDPStrategy, TieredCheckpoint
-from lightning_resilience.config.ft import FaultToleranceConfig
 from lightning_resilience.exit_codes import DecidedExit
+from lightning_resilience.ft.config import FaultToleranceConfig
 from lightning_resilience.lightning.callbacks.fault_tolerance import FaultTolerance
 from tests.lightning._training import build, trainer, weights
 

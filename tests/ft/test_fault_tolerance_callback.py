@@ -13,7 +13,7 @@ import pytest
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_resilience import DecidedExit, ExitCode, LocalTier, MemoryTier, TieredCheckpoint
-from lightning_resilience.config.ft import FaultToleranceConfig
+from lightning_resilience.ft.config import FaultToleranceConfig
 from lightning_resilience.ft.watchdog import Hang
 from lightning_resilience.lightning.callbacks.fault_tolerance import FaultTolerance
 from tests.lightning._training import build, trainer

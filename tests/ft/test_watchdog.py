@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_resilience.config.ft import FaultToleranceConfig
+from lightning_resilience.ft.config import FaultToleranceConfig
 from lightning_resilience.ft.restart import read_fault_notes
 from lightning_resilience.ft.watchdog import Hang, HangHandler, TimeoutCalibrator, Watchdog, dump_stacks
 

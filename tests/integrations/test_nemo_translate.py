@@ -250,7 +250,7 @@ def test_a_plain_dict_config_works_too(tmp_path: Path) -> None:
 
 
 def test_a_section_must_build_a_callback(tmp_path: Path) -> None:
-    cfg = {"resilience": {"ft": {"_target_": "lightning_resilience.config.ft.FaultToleranceConfig"}}}
+    cfg = {"resilience": {"ft": {"_target_": "lightning_resilience.ft.config.FaultToleranceConfig"}}}
     with pytest.raises(ValueError, match=r"resilience.ft must build a Lightning Callback, got FaultToleranceConfig"):
         resilience_callbacks(cfg)
 

@@ -14,7 +14,7 @@ from lightning_resilience.checkpoint.cadence import BUDGET
 from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.memory import MemoryTier
-from lightning_resilience.config.ft import FaultToleranceConfig
+from lightning_resilience.ft.config import FaultToleranceConfig
 from lightning_resilience.ft.ettr import LEDGER_FILE
 from lightning_resilience.lightning.callbacks.fault_tolerance import FaultTolerance
 from lightning_resilience.lightning.callbacks.resilience_report import ResilienceReportCallback

@@ -15,7 +15,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.memory import MemoryTier
-from lightning_resilience.config.ft import FaultToleranceConfig
+from lightning_resilience.ft.config import FaultToleranceConfig
 from lightning_resilience.lightning.callbacks.fault_tolerance import FaultTolerance
 from lightning_resilience.lightning.callbacks.resilience_report import ResilienceReportCallback
 from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint

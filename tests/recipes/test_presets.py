@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_resilience import HANG_EXIT_CODE, PREEMPT_EXIT_CODE, STRAGGLER_EXIT_CODE
+from lightning_resilience import ExitCode
 from tests.recipes.test_recipes import _run
 
 RECIPE = [sys.executable, "-m", "recipes.pretrain_gpt"]
@@ -35,7 +35,7 @@ def test_bad_value_fails_with_the_full_key(tmp_path: Path) -> None:
 
 def test_preempt_drill_saves_and_exits_with_the_requeue_code(tmp_path: Path) -> None:
     proc = _run([*RECIPE, f"run_dir={tmp_path}", "drill=preempt", "drill.step=5", "trainer.max_steps=30"])
-    assert proc.returncode == PREEMPT_EXIT_CODE, proc.stderr[-3000:]
+    assert proc.returncode == ExitCode.PREEMPTED, proc.stderr[-3000:]
     report = _reports(tmp_path)[-1]
     assert 5 <= report["final_step"] <= 7  # stopped at the agreed step boundary, not at max_steps
     steps = sorted(int(p.name.removeprefix("step_")) for p in (tmp_path / "ckpt").glob("step_*"))
@@ -50,7 +50,7 @@ def test_hang_drill_is_detected_dumped_and_ended(tmp_path: Path) -> None:
         ],
         timeout=180,
     )  # fmt: skip
-    assert proc.returncode == HANG_EXIT_CODE, proc.stderr[-3000:]
+    assert proc.returncode == ExitCode.HANG, proc.stderr[-3000:]
     dumps = list((tmp_path / "resilience").rglob("*stack*"))
     assert dumps, sorted(str(p) for p in tmp_path.rglob("*"))
 
@@ -106,7 +106,7 @@ def test_confirmed_straggler_goes_through_the_policy(tmp_path: Path, policy: str
     proc = _run([*RECIPE, f"run_dir={tmp_path}", *overrides])
     report = _reports(tmp_path)[-1]
     if policy == "default":
-        assert proc.returncode == STRAGGLER_EXIT_CODE, proc.stderr[-3000:]
+        assert proc.returncode == ExitCode.STRAGGLER, proc.stderr[-3000:]
         assert report["final_step"] < 60
         steps = sorted(int(p.name.removeprefix("step_")) for p in (tmp_path / "ckpt").glob("step_*"))
         assert steps[-1] == report["final_step"]  # checkpointed at the stop

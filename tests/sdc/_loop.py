@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_resilience.config.sdc import SDCConfig
+from lightning_resilience.sdc.config import SDCConfig
 from lightning_resilience.sdc.inject import BitFlipInjector, FlipSpec
 from lightning_resilience.sdc.monitor import SDCMonitor, StepOutcome
 from recipes._gpt import TinyGPT

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_resilience.config.sdc import SDCConfig
+from lightning_resilience.sdc.config import SDCConfig
 from lightning_resilience.sdc.inject import FlipSpec
 from lightning_resilience.testing.faults import FaultPlan
 from tests.sdc._loop import train

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_resilience.config.sdc import SDCConfig
+from lightning_resilience.sdc.config import SDCConfig
 from lightning_resilience.sdc.fingerprint import BitwiseDigest, ToleranceDigest, digest_all, group_rows
 from lightning_resilience.sdc.guards import Guards
 from lightning_resilience.sdc.inject import BIT_CLASSES, LOCATIONS, FlipSpec, bit_positions, flip_bit_

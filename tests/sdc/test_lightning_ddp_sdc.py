@@ -12,9 +12,9 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_resilience import ResilientDDPStrategy
-from lightning_resilience.config.sdc import SDCConfig
 from lightning_resilience.lightning.callbacks.sdc import SDCVerification
 from lightning_resilience.lightning.callbacks.sdc_inject import BitFlipInjection
+from lightning_resilience.sdc.config import SDCConfig
 from lightning_resilience.sdc.inject import FlipSpec
 from tests.lightning._training import assert_bitwise_equal, build, trainer, weights
 

@@ -15,12 +15,12 @@ import torch
 from lightning.pytorch import Callback
 
 from lightning_resilience import DecidedExit, ExitCode, LocalTier, MemoryTier, TieredCheckpoint
-from lightning_resilience.config.policy import PolicyConfig
-from lightning_resilience.config.sdc import SDCConfig
 from lightning_resilience.lightning.callbacks.policy import ResiliencePolicy
 from lightning_resilience.lightning.callbacks.sdc import VERDICT_FILE, SDCVerification
 from lightning_resilience.lightning.callbacks.sdc_inject import BitFlipInjection
 from lightning_resilience.lightning.coordination import RESTORE_BOUND_FILE, Suite
+from lightning_resilience.policy import PolicyConfig
+from lightning_resilience.sdc.config import SDCConfig
 from lightning_resilience.sdc.inject import FlipSpec
 from lightning_resilience.sdc.verdict import Diagnosis
 from tests.lightning._training import assert_bitwise_equal, build, trainer, weights

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_resilience.config.sdc import SDCConfig
+from lightning_resilience.sdc.config import SDCConfig
 from lightning_resilience.sdc.fingerprint import BitwiseDigest
 from lightning_resilience.sdc.inject import BitFlipInjector, FlipSpec
 from lightning_resilience.sdc.monitor import SDCMonitor

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_resilience.config.sim import (
+from lightning_resilience.sim.config import (
     ClusterConfig,
     FailureConfig,
     FailureKindConfig,
@@ -11,6 +11,7 @@ from lightning_resilience.config.sim import (
     SimConfig,
     SimTierConfig,
 )
+from lightning_resilience.sim.step_cost import SuiteCostConfig
 
 
 def kinds(**overrides: dict) -> list[FailureKindConfig]:
@@ -34,11 +35,13 @@ def tiny(
     spares: int = 0,
     target_steps: int | None = None,
 ) -> SimConfig:
-    """1 s steps, 1-GPU nodes, costs in whole seconds: every expected figure can be worked out by hand."""
+    """1 s steps, 1-GPU nodes, costs in whole seconds, a suite that costs nothing per step: every expected figure can
+    be worked out by hand."""
     return SimConfig(
         cluster=ClusterConfig(gpus=nodes, gpus_per_node=1, spare_nodes=spares, spare_refill_s=50.0),
         failures=FailureConfig(mttf_s=1e9, ref_gpus=1, kinds=failure_kinds or kinds()),
         tiers=tiers if tiers is not None else [SimTierConfig(name="disk", every_n_steps=10, restore_s=5.0)],
         restart=restart or RestartConfig(in_process=1.0, in_job=3.0, warm_spare=4.0, cold=20.0),
         job=JobConfig(step_s=1.0, horizon_s=horizon, target_steps=target_steps),
+        suite=SuiteCostConfig(fixed_s=0.0, hop_s=0.0),
     )

@@ -7,15 +7,6 @@ import math
 import numpy as np
 import pytest
 
-from lightning_resilience.config.sim import (
-    ClusterConfig,
-    FailureConfig,
-    FailureKindConfig,
-    JobConfig,
-    RestartConfig,
-    SimConfig,
-    SimTierConfig,
-)
 from lightning_resilience.sim import (
     daly_ettr,
     daly_interval,
@@ -24,6 +15,15 @@ from lightning_resilience.sim import (
     simulate,
     with_interval,
     young_interval,
+)
+from lightning_resilience.sim.config import (
+    ClusterConfig,
+    FailureConfig,
+    FailureKindConfig,
+    JobConfig,
+    RestartConfig,
+    SimConfig,
+    SimTierConfig,
 )
 
 M, DELTA, R = 3600.0, 60.0, 300.0

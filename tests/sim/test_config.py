@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_resilience.config.sim import (
+from lightning_resilience.sim.config import (
     ClusterConfig,
     FailureConfig,
     FailureKindConfig,

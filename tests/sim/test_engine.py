@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
-from lightning_resilience.config.sim import (
+from lightning_resilience.sim import CATEGORIES, FailureTrace, simulate, simulate_many
+from lightning_resilience.sim.config import (
     ClusterConfig,
     FailureConfig,
     FailureKindConfig,
@@ -16,7 +18,6 @@ from lightning_resilience.config.sim import (
     SimTierConfig,
     default_failure_kinds,
 )
-from lightning_resilience.sim import CATEGORIES, FailureTrace, simulate, simulate_many
 from tests.sim._configs import kinds, tiny
 
 NO_FAILURES = FailureTrace.of([])
@@ -242,3 +243,20 @@ def test_trace_with_unconfigured_kind_is_rejected() -> None:
         simulate(cfg, trace=FailureTrace.of([(1.0, "hang")]))
     with pytest.raises(ValueError, match="sorted"):
         FailureTrace(times=np.array([2.0, 1.0]), kinds=("crash", "crash"), nodes=np.array([0, 0]))
+
+
+def test_the_suite_bills_its_fixed_cost_and_a_round_that_outlasts_the_step() -> None:
+    """Every step pays the suite's fixed cost; the agreement's round costs nothing until it outlasts the step."""
+    from lightning_resilience.sim.step_cost import SuiteCostConfig
+
+    cheap = dataclasses.replace(tiny(tiers=[]), suite=SuiteCostConfig(fixed_s=0.01, hop_s=20e-6))
+    r = simulate(cheap)
+    _check_total(r)
+    assert r.breakdown.suite == pytest.approx(r.final_step * 0.01)
+    assert r.breakdown.productive == pytest.approx(r.final_step * 1.0)
+    suite = SuiteCostConfig(fixed_s=0.002, hop_s=20e-6)
+    assert suite.round_s(16384) == pytest.approx(2 * 7 * 20e-6)  # 4-ary: 7 levels below rank 0
+    assert suite.per_step_s(16384, 1.0) == pytest.approx(0.002)  # hidden by the step
+    assert suite.per_step_s(16384, 1e-4) == pytest.approx(0.002 + 2 * 7 * 20e-6 - 1e-4)
+    with pytest.raises(ValueError, match=r"suite\.fanout"):
+        SuiteCostConfig(fanout=1)

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from lightning_resilience.config.sim import ClusterConfig, FailureConfig, JobConfig, SimConfig
 from lightning_resilience.sim import draw_failures
+from lightning_resilience.sim.config import ClusterConfig, FailureConfig, JobConfig, SimConfig
 
 
 def _cfg(gpus: int, shape: float = 1.0, days: float = 90.0) -> SimConfig:
