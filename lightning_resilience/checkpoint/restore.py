@@ -131,6 +131,8 @@ class CollectiveRestore:
         assert source is not None
         if snap is None:
             snap = cast(RamTier, source).take(candidate)  # RAM hands its buffers over instead of copying them
+        elif not self._in_process:
+            self._keep_in_memory(snap)
         state = unflatten_state(snap.skeleton, snap.tensors, rebuild_dtensor=rebuild_dtensor)
         elapsed = self.clock() - start
         if not self._in_process:  # the figures of a resume; an in-process rollback reports its own
@@ -141,6 +143,15 @@ class CollectiveRestore:
             )
         log.info("restored step %d from tier %r in %.3fs", candidate, source.name, elapsed)
         return Restored(candidate, state, source.name, elapsed, snap.meta)
+
+    def _keep_in_memory(self, snap: StagedSnapshot) -> None:
+        """A step resumed from a persistent tier becomes a RAM snapshot too (a copy), so that a fault at the first
+        step after the resume can be rolled back in the process (after an in-process rollback the step driver
+        captures the restored state, quarantined batch included)."""
+        for tier in self.tiers:
+            if tier.durability is Durability.process and not cast(RamTier, tier).holds(snap.step):
+                tier.write(snap)
+                return
 
     def _resharded(
         self,

@@ -226,7 +226,7 @@ class TieredCheckpoint(Checkpoint):
         assert self.manager is not None
         step = trainer.global_step
         if step == self._last_step:
-            return  # already captured (a rollback restored this step)
+            return  # already captured
         self._last_step = step
         taken = self.manager.on_step(
             step,
@@ -298,7 +298,7 @@ class TieredCheckpoint(Checkpoint):
         if self._pending_rng is not None:
             restore_rng_states(self._pending_rng)
             self._pending_rng = None
-        self._last_step = restored.step
+        self._last_step = -1  # RAM handed the step over: the step driver captures the restored state again
         self.rollbacks += 1
         return self._data.rewind(trainer, skip_ahead)
 
