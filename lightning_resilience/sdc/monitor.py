@@ -360,9 +360,11 @@ class SDCMonitor:
 
     def _diverged(self, out: StepOutcome, ballot: Ballot, differing: list[str]) -> None:
         detail = f"replicas differ in {differing[:4]}"
+        verdict = Diagnosis.DIVERGED
         if not ballot.decided:
-            detail += "; two opinions and no majority: every replica is suspect"
-        self._record(out, SDCEvent(out.step, "reconcile", Diagnosis.DIVERGED, ballot.suspects, "rollback", detail))
+            verdict = Diagnosis.INCONCLUSIVE
+            detail += "; no strict majority of three or more equal replicas: no rank is named"
+        self._record(out, SDCEvent(out.step, "reconcile", verdict, ballot.suspects, "rollback", detail))
         self._fail(out, ballot.suspects)
 
     def _fail(self, out: StepOutcome, suspects: list[int]) -> None:

@@ -124,7 +124,7 @@ class ReplayRound:
             else:
                 unfixable.append(b)
                 action = "rollback"
-                detail = f"rank {b}'s batch: " + ("no majority among the replays" if not ballot.decided else
+                detail = f"rank {b}'s batch: " + ("inconclusive: no majority of three devices, no replay that reproduces a reference; no rank named" if not ballot.decided else
                                                   "a device reproduces a wrong result")  # fmt: skip
             self.m._record(out, SDCEvent(out.step, mechanism, ballot.verdict, ballot.suspects, action, detail))
         if guard_fired and not out.events:

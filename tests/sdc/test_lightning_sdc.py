@@ -123,9 +123,10 @@ def test_faulty_device_ends_with_sdc_code_and_the_restart_restores_the_verified_
     assert ended.value.code == ExitCode.SDC == 84
     assert sdc.rollback_step == 6 and sdc.stopped == (mapping == "rollback")
     event = next(e for e in sdc.events if e.verdict is not Diagnosis.CLEAN)
-    assert event.step == 9 and event.verdict is Diagnosis.UNRESOLVED and event.suspects == [0]
+    # one device whose replays never agree: nothing reproduces a reference, so no rank is named
+    assert event.step == 9 and event.verdict is Diagnosis.INCONCLUSIVE and event.suspects == []
     verdict = json.loads((tmp_path / "run" / VERDICT_FILE).read_text())
-    assert verdict["rollback_step"] == 6 and verdict["suspects"][0]["rank"] == 0 and verdict["exit_code"] == 84
+    assert verdict["rollback_step"] == 6 and verdict["suspects"] == [] and verdict["exit_code"] == 84
     bound = json.loads((tmp_path / "run" / RESTORE_BOUND_FILE).read_text())
     assert bound["max_step"] == 6 and bound["detected_at"] == 9
     on_disk = ckpt.tiers[1].list_steps()

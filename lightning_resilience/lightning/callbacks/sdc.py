@@ -207,7 +207,7 @@ class SDCVerification(Callback):
         # the verdict is the same on every rank (computed from gathered data): so is everything below
         self.rollback_step = self.monitor.rollback_target(self._committed_steps())
         diagnoses = {e.verdict for e in outcome.events}
-        unfixable_device = bool(diagnoses & {Diagnosis.PERSISTENT, Diagnosis.UNRESOLVED})
+        unfixable_device = bool(diagnoses & {Diagnosis.PERSISTENT, Diagnosis.INCONCLUSIVE})
         detail = (
             f"{', '.join(sorted(d.value for d in diagnoses))} at step {outcome.step}, suspects {outcome.suspects}; "
             f"restart from verified step {self.rollback_step}"
