@@ -25,12 +25,13 @@ _INT_DURABILITY = {0: Durability.process, 1: Durability.host, 2: Durability.remo
 def conform(tier: Any) -> Tier:
     """``tier`` itself when it implements today's :class:`Tier`; an adapter (and a DeprecationWarning) when it
     implements the earlier protocol."""
-    if isinstance(tier.durability, Durability) and hasattr(tier, "collective") and hasattr(tier, "reshard_root"):
+    current = isinstance(tier.durability, Durability) and hasattr(tier, "collective")
+    if current and hasattr(tier, "reshard_root") and hasattr(tier, "reject"):
         return tier  # type: ignore[no-any-return]
     warnings.warn(
         f"tier {getattr(tier, 'name', tier)!r} implements the Tier protocol of an earlier version (int durability, "
-        "write() returning nothing); give it a Durability, `collective = False`, `reshard_root()` and make write() "
-        "return a Written: the adapter will go in a later release",
+        "write() returning nothing, no reject()); give it a Durability, `collective = False`, `reshard_root()`, "
+        "`reject()` and make write() return a Written: the adapter will go in a later release",
         DeprecationWarning,
         stacklevel=3,
     )
@@ -45,7 +46,10 @@ class _LegacyTier:
         self.name: str = tier.name
         self.every_n_steps: int = tier.every_n_steps
         self.keep: int = tier.keep
-        self.durability = _INT_DURABILITY.get(int(tier.durability), Durability.host)
+        durability = tier.durability
+        if not isinstance(durability, Durability):  # an int of the earliest protocol
+            durability = _INT_DURABILITY.get(int(durability), Durability.host)
+        self.durability = durability
         self._takes_deadline = "deadline" in inspect.signature(tier.write).parameters
 
     def __getattr__(self, name: str) -> Any:  # anything else the tier offers (take, adopt, root...)
@@ -69,6 +73,9 @@ class _LegacyTier:
 
     def delete(self, step: int) -> None:
         self._tier.delete(step)
+
+    def reject(self, step: int, reason: str) -> None:
+        self._tier.delete(step)  # an earlier tier keeps no record: the step is gone all the same
 
     def reshard_root(self) -> Path | None:
         root = getattr(self._tier, "root", None)

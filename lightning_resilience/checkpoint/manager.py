@@ -18,11 +18,14 @@ from typing import Any, cast
 
 import torch
 
+from lightning_resilience._configurable import ConfigError
 from lightning_resilience.checkpoint._legacy import conform
 from lightning_resilience.checkpoint.cadence import CadenceController
 from lightning_resilience.checkpoint.config import CheckpointConfig
+from lightning_resilience.checkpoint.certify import Verification, verification_of
+from lightning_resilience.checkpoint.content import ContentPrint, check_content
 from lightning_resilience.checkpoint.emergency import EmergencySave
-from lightning_resilience.checkpoint.errors import CheckpointWorkerError
+from lightning_resilience.checkpoint.errors import CheckpointCorruptError, CheckpointWorkerError
 from lightning_resilience.checkpoint.persist_view import PersistAgreement
 from lightning_resilience.checkpoint.restore import CollectiveRestore
 from lightning_resilience.checkpoint.retention import apply_retention
@@ -63,6 +66,9 @@ class CheckpointManager:
             raise ValueError(f"checkpoint.tiers must have unique names, got {names}")
         self.tiers = restore_order([conform(t) for t in tiers])
         self.config = config or CheckpointConfig()
+        unknown = sorted(set(self.config.verified_only) - set(names))
+        if unknown:
+            raise ConfigError("checkpoint", "verified_only", f"names no tier of this job: {unknown} (tiers: {names})")
         self._clock = clock
         # a tier of process durability holds the snapshot buffers themselves (the RamTier protocol)
         self._memory = [cast(RamTier, t) for t in self.tiers if t.durability is Durability.process]
@@ -197,6 +203,8 @@ class CheckpointManager:
         )
         if not memory_due and not persist_due:
             return False
+        full_meta = self._meta(step, meta)  # the same on every rank: its verification state decides with the others
+        persist_due = self._publishable(persist_due, step, full_meta)
         start = self._clock()
         persist_now: list[Tier] = []
         protect: dict[str, int | None] = {}
@@ -214,16 +222,16 @@ class CheckpointManager:
                 self.agreement.history.attempted(names, step)
         if memory_due or persist_now:
             flat = flatten_state(state(), warn=self._warn_once)
-            slot = self._pool.capture(
-                step, flat, self._meta(step, meta), timeout=self.config.snapshot_timeout, overlap=overlap
-            )
+            # the print of the live state, before the copy: what a commit and a restore of this step must find
+            content = ContentPrint(step, flat.tensors) if persist_now and self.config.content_check else None
+            slot = self._pool.capture(step, flat, full_meta, timeout=self.config.snapshot_timeout, overlap=overlap)
             for tier in memory_due:
                 self._pool.retain(slot)
                 written = tier.adopt(slot, self._pool.release)
                 self.stats.tiers[tier.name].record_write(step, written.nbytes, 0.0)
             if persist_now:
                 self._pool.retain(slot)
-                self._worker.submit(partial(self._persist, slot, persist_now, protect))
+                self._worker.submit(partial(self._persist, slot, persist_now, protect, content))
             self._pool.release(slot)
             self.stats.state_bytes = slot.nbytes
             self.stats.host_bytes = self._pool.host_bytes
@@ -254,13 +262,16 @@ class CheckpointManager:
                 return view.idle and view.missing_anywhere(tier.name, step)
             return idle and step not in tier.list_steps()
 
-        due = [t for t in self._persistent if wanted(t)]
+        full_meta = self._meta(step, meta)
+        due = self._publishable([t for t in self._persistent if wanted(t)], step, full_meta)
         if not due:
             return
         protect = view.protect([t.name for t in due])
         self.agreement.history.attempted([t.name for t in due], step)
-        slot = self._pool.capture(step, flatten_state(state(), warn=self._warn_once), self._meta(step, meta))
-        self._worker.submit(partial(self._persist, slot, due, protect))  # takes over our slot reference
+        flat = flatten_state(state(), warn=self._warn_once)
+        content = ContentPrint(step, flat.tensors) if self.config.content_check else None
+        slot = self._pool.capture(step, flat, full_meta)
+        self._worker.submit(partial(self._persist, slot, due, protect, content))  # takes over our slot reference
         if not self.wait():
             log.error("final persist of step %d did not finish within %s", step, self.config.drain_timeout)
 
@@ -334,19 +345,43 @@ class CheckpointManager:
             self._failure = self._failure or err
             return None
 
-    def _persist(self, slot: HostSnapshot, tiers: list[Tier], protect: dict[str, int | None]) -> list[PersistResult]:
-        """Runs on the worker thread: write the slot to each tier, then apply retention.
+    def _publishable(self, tiers: list[Tier], step: int, meta: dict[str, Any]) -> list[Tier]:
+        """``tiers`` without those that take verified steps only (``checkpoint.verified_only``) when ``step`` is not."""
+        if not self.config.verified_only or verification_of(meta) is Verification.verified:
+            return tiers
+        return [t for t in tiers if t.name not in self.config.verified_only]
+
+    def _persist(
+        self,
+        slot: HostSnapshot,
+        tiers: list[Tier],
+        protect: dict[str, int | None],
+        content: ContentPrint | None = None,
+    ) -> list[PersistResult]:
+        """Runs on the worker thread: check the staged tensors against the step's content print, write the slot to
+        each tier, then apply retention.
 
         Every tier is attempted whatever happened to the ones before it, so a collective tier's exchange is entered
         on every rank; an error other than an I/O error is re-raised once all tiers are done (it stops training).
+        Staged tensors that are not the step's state are committed nowhere: each tier reports the refusal.
         """
         results = []
         unexpected: BaseException | None = None
         try:
             snap = slot.view()
+            refused: CheckpointCorruptError | None = None
+            if content is not None:
+                snap.meta.update(content.meta())  # read late: the device copy has long landed
+                try:
+                    check_content(snap.tensors, snap.meta, step=snap.step, where=f"staged snapshot of step {snap.step}")
+                except CheckpointCorruptError as err:
+                    refused = err
             for tier in tiers:
                 start = time.perf_counter()
                 deleted: list[int] = []
+                if refused is not None:
+                    results.append(PersistResult(tier.name, snap.step, 0, 0.0, refused))
+                    continue
                 try:
                     written = tier.write(snap)
                     deleted = apply_retention(tier, protect.get(tier.name))
@@ -399,6 +434,29 @@ class CheckpointManager:
         idle = self._hold_failure(lambda: self._worker.wait_idle(timeout or self.config.drain_timeout))
         self._hold_failure(self.collect)
         return idle is not False
+
+    # ------------------------------------------------------------ certified steps
+    def reject(self, newer_than: int, reason: str) -> list[int]:
+        """Reject every step newer than ``newer_than`` in every tier of this rank (a verdict found the state corrupt
+        after the last step verified clean): each tier takes them out for good and records why. Collective in that
+        every rank calls it at the same decision; waits (bounded) for a persist in flight, which may be one of them.
+        Returns the steps rejected on this rank."""
+        self.wait(hold_failure=True)
+        self._deferred = []
+        rejected: set[int] = set()
+        for tier in self.tiers:
+            for step in tier.list_steps():
+                if step > newer_than:
+                    try:
+                        tier.reject(step, reason)
+                    except OSError as err:  # a store that is down: the step stays, refused at restore by the bound
+                        log.error("tier %r could not reject step %d: %s", tier.name, step, err)
+                        continue
+                    rejected.add(step)
+        self.stats.rejected_steps = sorted({*self.stats.rejected_steps, *rejected})
+        if rejected:
+            log.warning("rejected steps %s in every tier (%s)", sorted(rejected), reason)
+        return sorted(rejected)
 
     # ---------------------------------------------------------------- restore
     def restore(

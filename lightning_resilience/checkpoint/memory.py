@@ -150,6 +150,9 @@ class MemoryTier:
         if held is not None:
             held[1](held[0])
 
+    def reject(self, step: int, reason: str) -> None:
+        self.delete(step)  # process memory: nothing outlives the process to record
+
     def reshard_root(self) -> Path | None:
         return None
 

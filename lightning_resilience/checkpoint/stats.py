@@ -54,6 +54,8 @@ class CheckpointStats:
     restored_from: str | None = None
     restore_seconds: float = 0.0
     skipped_corrupt: list[str] = field(default_factory=list)
+    rejected_steps: list[int] = field(default_factory=list)
+    """Steps a verdict rejected in this rank's tiers (:meth:`CheckpointManager.reject`)."""
 
     @property
     def capture_seconds_mean(self) -> float:

@@ -4,8 +4,8 @@ snapshot buffers themselves implements :class:`RamTier`, one that exchanges with
 The manager never asks a tier what it is (no ``isinstance``, no ``getattr``): what it needs to know is in the
 protocol. ``durability`` says what a copy survives (where a tier sits in the restore order; ``process`` marks a
 :class:`RamTier`), ``collective`` says that every rank must call :meth:`Tier.write` together (a
-:class:`CollectiveTier`), ``write`` returns what it committed, and :meth:`Tier.reshard_root` has an answer on
-every tier.
+:class:`CollectiveTier`), ``write`` returns what it committed, and :meth:`Tier.reshard_root` and :meth:`Tier.reject`
+have an answer on every tier.
 """
 
 from __future__ import annotations
@@ -119,6 +119,11 @@ class Tier(Protocol):
 
     def delete(self, step: int) -> None:
         """Remove a committed step; a reader never sees it half-deleted."""
+
+    def reject(self, step: int, reason: str) -> None:
+        """Take committed ``step`` out for good: a verdict found the state it holds corrupt
+        (:mod:`~lightning_resilience.checkpoint.certify`). It is never listed or read again; a tier that outlives the
+        process leaves a record of the rejection (``reason``) in the step's directory, where ``ckpt ls`` finds it."""
 
     def reshard_root(self) -> Path | None:
         """The directory whose steps every rank can read whole, for restoring a step written by another world

@@ -69,6 +69,9 @@ class InProcessRollback:
         if plan.target is None or store is None:
             return self._stop_unrestored(suite, trainer, decision, plan)
         restored = store.restore_memory(plan.target)  # collective; raises if not loadable everywhere
+        # the updates from the bad step on are suspect wherever they were committed: rejected on every rank and tier
+        store.reject_after(bad, f"{decision.event.value} at step {bad}, rolled back in the process at step "
+                                f"{plan.detected_at}")  # fmt: skip
         # a device fault (SDC mismatch) is not the data's doing: its batch is trained on again
         skip = self.config.skip_batch and not plan.escalate and decision.event is not Event.SDC_MISMATCH
         skip_ahead = bad - plan.target if skip else None
@@ -121,6 +124,9 @@ class InProcessRollback:
         verdict = Verdict(decision.event, plan.detected_at, trainer.global_rank, plan.reason, "rollback",
                           verified_step=bound, bad_step=plan.bad_step)  # fmt: skip
         suite.mark_corrupt(trainer, verdict)
+        if suite.store is not None:
+            suite.store.reject_after(plan.bad_step, f"{decision.event.value} at step {plan.bad_step}, not restorable "
+                                                    "in the process")  # fmt: skip
         return Decision(trainer.global_step, Action.ROLLBACK, decision.event, decision.verdicts, code=_RESTART)
 
     def _write_record(self, suite: Suite, trainer: Trainer, record: RollbackRecord) -> None:

@@ -381,8 +381,12 @@ class SDCMonitor:
         return max(common) if common else None
 
     def meta(self, step: int) -> dict[str, Any]:
-        """Checkpoint metadata for ``step``: whether its state was verified clean."""
-        return {"sdc_verified": step in self.verified_steps and not (self.dirty and step > max(self.verified_steps))}
+        """Checkpoint metadata for ``step``: its verification state (:mod:`lightning_resilience.checkpoint.certify`):
+        'verified' when a clean check covered it, 'rejected' when an unfixed corruption was found since the last
+        one, else 'unverified'; and the older flag ``sdc_verified``."""
+        verified = step in self.verified_steps and not (self.dirty and step > max(self.verified_steps))
+        state = "verified" if verified else "rejected" if self.dirty and step > max(self.verified_steps) else None
+        return {"verification": state or "unverified", "sdc_verified": verified}
 
     # ------------------------------------------------------------ collectives
     def _gather(self, obj: Any) -> list[Any]:

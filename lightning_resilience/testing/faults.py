@@ -255,7 +255,10 @@ class FaultPlan:
     @contextlib.contextmanager
     def armed(self) -> Iterator[FaultPlan]:
         """While inside: side-group operations and the internal fault points of the plan's faults consult it."""
-        previous = collective.set_fault_hook(lambda op, rank, step: self.check(op, rank, step))
+        def hook(op: str, rank: int, step: int | None) -> None:
+            self.check(op, rank, step)
+
+        previous = collective.set_fault_hook(hook)
         restore: list[tuple[Any, str, Any]] = []
         try:
             for operation, (module_name, attr, step_of) in POINTS.items():

@@ -15,6 +15,8 @@ import torch
 from lightning.pytorch import Callback
 
 from lightning_resilience import DecidedExit, ExitCode, LocalTier, MemoryTier, TieredCheckpoint
+from lightning_resilience.checkpoint.certify import TOMBSTONE
+from lightning_resilience.checkpoint.layout import step_dirname
 from lightning_resilience.config.policy import PolicyConfig
 from lightning_resilience.config.sdc import SDCConfig
 from lightning_resilience.lightning.callbacks.policy import ResiliencePolicy
@@ -130,7 +132,9 @@ def test_faulty_device_ends_with_sdc_code_and_the_restart_restores_the_verified_
     bound = json.loads((tmp_path / "run" / RESTORE_BOUND_FILE).read_text())
     assert bound["max_step"] == 6 and bound["detected_at"] == 9
     on_disk = ckpt.tiers[1].list_steps()
-    assert {7, 8} <= set(on_disk) and 9 not in on_disk  # suspect steps committed before the detection, none after
+    # the suspect steps committed before the detection are rejected at once, in every tier; none is taken after
+    assert max(on_disk) == 6 and sdc.rejected_steps == [7, 8]
+    assert all((tmp_path / "ckpt" / step_dirname(s) / TOMBSTONE).is_file() for s in (7, 8))
     # the launcher's restart: a new process, the same config, automatic resume, a healthy device
     again = TieredCheckpoint(_tiers(tmp_path))
     resumed = _fit([SDCVerification(config), again])

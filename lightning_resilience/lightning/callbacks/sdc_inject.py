@@ -52,8 +52,8 @@ class BitFlipInjection(Callback):
         self.plan = list(plan)
         self.faulty_rank = faulty_rank
         self.faulty = (faulty_location, faulty_every_k, faulty_bit_class, faulty_target)
-        self.faulty_shape = {"rate": faulty_rate, "bits": faulty_bits, "elements": faulty_elements,
-                             "stride": faulty_stride}  # fmt: skip
+        self.faulty_rate = faulty_rate
+        self.faulty_shape = {"bits": faulty_bits, "elements": faulty_elements, "stride": faulty_stride}
         self.injector: BitFlipInjector | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -70,7 +70,8 @@ class BitFlipInjection(Callback):
         self.injector = BitFlipInjector(pl_module, list(trainer.optimizers), rank=trainer.global_rank)
         if self.faulty_rank == trainer.global_rank:
             location, every_k, bit_class, target = self.faulty
-            self.injector.faulty_device(location, every_k, bit_class=bit_class, target=target, **self.faulty_shape)
+            self.injector.faulty_device(location, every_k, bit_class=bit_class, target=target, rate=self.faulty_rate,
+                                        **self.faulty_shape)  # fmt: skip
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

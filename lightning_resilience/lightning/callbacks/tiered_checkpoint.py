@@ -272,6 +272,10 @@ class TieredCheckpoint(Checkpoint):
         assert self.manager is not None
         self.manager.add_meta_provider(provider)
 
+    def reject_after(self, step: int, reason: str) -> list[int]:
+        assert self.manager is not None
+        return self.manager.reject(step, reason)
+
     def report_section(self, blocking_timeline: list[tuple[int, float]]) -> dict[str, Any]:
         """The checkpoint section of the end-of-run report (``blocking_timeline``: (step, seconds blocked))."""
         assert self.manager is not None
