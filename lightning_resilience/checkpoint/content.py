@@ -17,10 +17,11 @@ without a print (written before, or by an emergency save of a RAM snapshot) is n
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from lightning_resilience._staging import HostStage
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 
 __all__ = ["CONTENT", "ContentPrint", "check_content", "content_mismatch", "tensor_sums", "without_print"]
@@ -62,31 +63,22 @@ class ContentPrint:
     def __init__(self, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
         self.step = step
         self.names = list(tensors)
-        self._parts: list[tuple[list[int], torch.Tensor, torch.cuda.Event | None]] = []
         by_device: dict[torch.device, list[int]] = {}
         values = list(tensors.values())
         for i, tensor in enumerate(values):
             by_device.setdefault(tensor.device, []).append(i)
-        for device, index in by_device.items():
-            sums = torch.stack([_int_sum(values[i]) for i in index])
-            if device.type == "cuda":  # read late: the copy lands while the step goes on
-                host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-                host.copy_(sums, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                self._parts.append((index, host, event))
-            else:
-                self._parts.append((index, sums.cpu(), None))
+        # on a GPU a non-blocking copy into pinned memory: read late, by the persist worker, never by the step
+        self._stage = HostStage(max_pending=len(by_device) + 1)
+        for index in by_device.values():
+            self._stage.put(tuple(index), torch.stack([_int_sum(values[i]) for i in index]))
         self._value: dict[str, int] | None = None
 
     def value(self) -> dict[str, int]:
         """name -> sum (waits for a device copy still in flight: call it off the training thread)."""
         if self._value is None:
             out: dict[int, int] = {}
-            for index, host, event in self._parts:
-                if event is not None:
-                    event.synchronize()
-                out.update(zip(index, (int(v) for v in host.tolist())))
+            for index, sums in self._stage.drain():
+                out.update(zip(cast(tuple[int, ...], index), (int(v) for v in sums)))
             self._value = {self.names[i]: out[i] for i in range(len(self.names))}
         return self._value
 

@@ -21,8 +21,8 @@ import torch
 from lightning_resilience._configurable import ConfigError
 from lightning_resilience.checkpoint._legacy import conform
 from lightning_resilience.checkpoint.cadence import CadenceController
-from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.certify import Verification, verification_of
+from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.content import ContentPrint, check_content
 from lightning_resilience.checkpoint.emergency import EmergencySave
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError, CheckpointWorkerError

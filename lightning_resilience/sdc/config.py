@@ -42,6 +42,10 @@ class SDCConfig:
     0 disables the check."""
     replay_every_n_steps: int = 200
     """Steps between two dual-run replays (a guard that fires triggers one at once); 0: only when a guard fires."""
+    replay_after_restore: bool = True
+    """Replay the first step after every restore (an in-process rollback, a resume), with partner, as torchtitan's
+    SDC replay does: a device that corrupts every step is named at once (a non-finite value it caused only rolls
+    back), and a restored state that does not reproduce is found before training builds on it."""
     partner_replay: bool = True
     """With more than one rank, each replay also recomputes a neighbour rank's batch (catches a faulty device)."""
     max_opinions: int = 5

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ReplayRound"]
 
+_INCONCLUSIVE = "inconclusive: no majority of three devices, no replay that reproduces a reference; no rank named"
+_REPRODUCES = "a device reproduces a wrong result (what it contributed to the step is suspect)"
+
 
 class ReplayRound:
     """One replay round of a monitor's current step (a new one per round).
@@ -108,24 +111,28 @@ class ReplayRound:
                 return
         fired = [f"{f}@{r.step + 1}" for r in self.m._fired for f in r.fired] if guard_fired else []
         mechanism = "replay" + (f" (guard: {','.join(fired)})" if fired else "")
+        mechanism += " (first step after a restore)" if self.m._restore_check else ""
         corrupt_original: list[int] = []
         unfixable: list[int] = []
         for b, ballot in ballots.items():
             ops = opinions[b]
             original_bad = ballot.decided and any(ops[i].kind == "original" for i in ballot.dissent)
+            has_original = any(op.kind == "original" for op in ops)
             if ballot.verdict is Diagnosis.CLEAN:
                 continue
             if original_bad and b in ballot.transient:
                 corrupt_original.append(b)
                 action, detail = "recomputed", f"rank {b}'s gradients differ from its replay and the vote"
-            elif not original_bad and ballot.decided:
+            elif ballot.decided and has_original and not original_bad:
                 action = "none"
                 detail = f"a replay of rank {b}'s batch was wrong; the step itself was right"
+            elif ballot.decided and not ballot.persistent:
+                action = "none"
+                detail = f"a replay of rank {b}'s batch glitched once (its original result was not digested)"
             else:
                 unfixable.append(b)
                 action = "rollback"
-                detail = f"rank {b}'s batch: " + ("inconclusive: no majority of three devices, no replay that reproduces a reference; no rank named" if not ballot.decided else
-                                                  "a device reproduces a wrong result")  # fmt: skip
+                detail = f"rank {b}'s batch: " + (_INCONCLUSIVE if not ballot.decided else _REPRODUCES)
             self.m._record(out, SDCEvent(out.step, mechanism, ballot.verdict, ballot.suspects, action, detail))
         if guard_fired and not out.events:
             if self.m.reader.lag > 0:

@@ -33,17 +33,17 @@ def _tiers(root: Path, durable_every: int = 3) -> list[object]:
 
 def test_a_tier_that_saved_another_steps_tensors_is_refused_and_the_step_before_is_restored(tmp_path: Path) -> None:
     model, data = build()
-    trainer(8, []).fit(model, datamodule=data)
+    trainer(8, [], default_root_dir=tmp_path).fit(model, datamodule=data)
     clean = weights(model)
     tiers = _tiers(tmp_path)
     FaultPlan().fail_at(None, 6, "tier.durable.write", "stale").instrument(tiers[1])  # step 6 holds step 4's
     model, data = build()
-    trainer(6, [TieredCheckpoint(tiers)]).fit(model, datamodule=data)
+    trainer(6, [TieredCheckpoint(tiers)], default_root_dir=tmp_path).fit(model, datamodule=data)
     # the step before it: the newest the tier persisted before 6 (a persist still running defers one)
     before = max(s for s in tiers[1].list_steps() if s < 6)
     again = TieredCheckpoint(_tiers(tmp_path))
     model, data = build()
-    trainer(8, [again]).fit(model, datamodule=data)
+    trainer(8, [again], default_root_dir=tmp_path).fit(model, datamodule=data)
     assert again.stats.restored_step == before
     [skipped] = again.stats.skipped_corrupt
     assert "tier 'durable'" in skipped and "step 6 are not the state that was snapshotted" in skipped
@@ -73,7 +73,7 @@ def test_a_step_persisted_after_an_undetected_corruption_is_rejected_in_the_dura
     model, data = build()
     strategy = ResilientDDPStrategy(start_method="spawn")
     callbacks = [TieredCheckpoint(_tiers(tmp_path)), sdc, inject, policy, _Report(tmp_path)]
-    trainer(16, callbacks, devices=world, strategy=strategy).fit(model, datamodule=data)
+    trainer(16, callbacks, devices=world, strategy=strategy, default_root_dir=tmp_path).fit(model, datamodule=data)
     reports = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
     rejected = sorted(int(p.parent.name.split("_")[1]) for p in (tmp_path / "durable").glob(f"*/{TOMBSTONE}"))
     # a step of the diverged replicas (after 7) had reached the durable tier; everything after step 6 is rejected

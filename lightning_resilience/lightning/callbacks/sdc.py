@@ -147,6 +147,8 @@ class SDCVerification(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         assert self.monitor is not None
         self.monitor.verified_steps.add(trainer.global_step)  # the start (fresh or a chosen resume) is trusted
+        if trainer.global_step > 0:  # a resume: its first step is replayed (sdc.replay_after_restore)
+            self.monitor.restored()
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
