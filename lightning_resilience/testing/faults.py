@@ -255,6 +255,7 @@ class FaultPlan:
     @contextlib.contextmanager
     def armed(self) -> Iterator[FaultPlan]:
         """While inside: side-group operations and the internal fault points of the plan's faults consult it."""
+
         def hook(op: str, rank: int, step: int | None) -> None:
             self.check(op, rank, step)
 
