@@ -94,3 +94,12 @@ def test_a_step_persisted_after_an_undetected_corruption_is_rejected_in_the_dura
     rows = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines() if line.count("│") > 3}
     assert all("rejected: SDC at step 12" in rows[str(s)] for s in rejected)
     assert all("unverified" in rows[str(s)] or "verified" in rows[str(s)] for s in kept)
+
+
+def test_the_report_shows_the_newest_verified_step_and_the_rejected_steps() -> None:
+    from lightning_resilience.report.render import _detection_rows
+
+    section = {"newest_verified_step": 6, "rejected_steps": [9, 10], "events": [], "detections": {"diverged": 1}}
+    rows = dict(_detection_rows({"sdc_verification": section}))
+    assert rows["sdc_verification newest verified step"] == "6"
+    assert rows["sdc_verification rejected checkpoint steps"] == "9, 10 (every tier)"
