@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.sdc_coverage            # 20 trials per cell, both presets (about 40 minutes, quiet machine)
+    python -m benchmarks.sdc_coverage            # 20 trials per cell, both presets (about an hour, quiet machine)
     python -m benchmarks.sdc_coverage --quick    # smoke mode: short cadences, 1 trial per cell (not a figure)
 
 Three CPU processes train ``recipes._gpt.TinyGPT`` (tiny preset) under DDP on gloo with a plain loop, an
@@ -11,7 +11,9 @@ suite's :class:`~lightning_resilience.step.driver.StepDriver`: the late guards t
 issued at the step's start and taken at its end, as in a Lightning job (no rank waits on an ordinary step).
 
 * ``default`` (``resilience=default``, ``sdc/guards.yaml``): guards every step, read one step late; cross-replica
-  reconciliation every 50 steps; no scheduled replay and no communication hook (a replay only when a guard fires);
+  reconciliation every 50 steps; a replay every 100 steps of one rank's batch by turns (by that rank and its
+  neighbour); no communication hook; a replay of every batch when a guard fires and of the first step after a
+  rollback;
 * ``full`` (``resilience=full``, ``sdc/dual_run.yaml``): the same guards, a dual-run replay (with partner, bucket
   digests by a communication hook) every 50 steps, reconciliation every 25.
 
@@ -457,6 +459,7 @@ def measure(preset: str, args: argparse.Namespace) -> dict[str, Any]:
                 "guard_read_lag",
                 "replay_every_n_steps",
                 "partner_replay",
+                "replay_scope",
                 "reconcile_every_n_steps",
                 "param_norm_every_n_steps",
                 "ddp_fingerprint",
@@ -548,7 +551,8 @@ def render_markdown(result: dict[str, Any]) -> str:
                      for k, v in p["cells"].items()]  # fmt: skip
         lines += [
             f"### Preset `{name}`: guards (read lag {c['guard_read_lag']}), replay every "
-            f"{c['replay_every_n_steps'] or 'never'}, reconciliation every {c['reconcile_every_n_steps']}, "
+            f"{c['replay_every_n_steps'] or 'never'} ({c['replay_scope']}), reconciliation every "
+            f"{c['reconcile_every_n_steps']}, "
             f"communication hook {'on' if c['ddp_fingerprint'] else 'off'}",
             "",
             md_table(KIND_HEADER, kind_rows),
@@ -673,9 +677,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "for a replay of the next step, which cannot see a fault that did not recur; a non-finite value asks for "
             "a rollback), or by a replay of that very step (the full preset's schedule): the caught-by column says "
             "which.",
-            "A faulty device corrupts the replays on its rank too: a replay asked for by a guard, or scheduled, names "
-            "it by a majority of the three ranks. The default preset's guards see a device whose errors move the "
-            "gradient norm (exponent bits); one that only touches low mantissa bits needs a scheduled replay.",
+            "A faulty device corrupts the replays on its rank too: a replay asked for by a guard, the replay of the "
+            "first step after the rollback its non-finite values ask for, or a scheduled one (the default preset's "
+            "turn comes to its batch, or to its neighbour's, every world_size / 2 rounds) names it by a majority of "
+            "the three ranks.",
             "CPU timings of a small model: on a GPU the guards and digests are device work that the step does not "
             "wait for, and a replay costs the same fraction of a step as here.",
         ],

@@ -145,6 +145,8 @@ class SDCMonitor:
         self._restore_check = False
         """The state was just restored (a rollback, a resume): the next step is replayed (``replay_after_restore``)."""
         self._restore_pending = False
+        self._scheduled_rounds = 0
+        """Scheduled replay rounds so far (whose batch a rotating round checks)."""
         self._late_triggered = False
         """A guard fired on some rank (agreed at the last step's end): the next step is replayed."""
         self.late = LateGuards(self.guards, self.reader, self.stats.guard_fired)

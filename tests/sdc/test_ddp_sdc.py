@@ -88,6 +88,39 @@ def test_faulty_device_on_two_ranks_is_inconclusive_and_blames_nobody(tmp_path: 
     assert all(r["dirty"] and r["rollback"] == 0 for r in results)  # still rejected: a rollback, no rank blamed
 
 
+ROTATE = dict(replay_every_n_steps=2, reconcile_every_n_steps=0, replay_scope="rotate", ddp_fingerprint=False)
+
+
+def _rotating(rank: int, faulty_rank: int | None) -> dict[str, Any]:
+    """Replay rounds of one batch by turns, no communication hook: a device that flips a low mantissa bit of every
+    gradient it computes (no guard sees it) is met as the owner of the batch or as its partner."""
+    _, outcomes, monitor = train(
+        STEPS, SDCConfig(**ROTATE), rank=rank, ddp=True, faulty_every_k=1 if rank == faulty_rank else 0,
+        faulty_bit_class="mantissa_low",
+    )  # fmt: skip
+    assert monitor is not None and monitor._hook is None
+    return {
+        "events": [e.to_json() for e in monitor.events],
+        "dirty": monitor.dirty,
+        "rounds": monitor.stats.replay_rounds,
+        "replays": monitor.stats.replays,
+    }
+
+
+def test_rotating_replay_meets_a_faulty_device_by_turns(tmp_path: Path) -> None:
+    world = 3
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "faulty").mkdir()
+    clean = run_ranks(_rotating, world, tmp_path / "clean", None)
+    assert _summary(clean) == [] and all(r["rounds"] == STEPS // 2 for r in clean)
+    # one batch per round: its owner and its neighbour replay it (2 replays a round on 3 ranks, not 6)
+    assert sum(r["replays"] for r in clean) == 2 * STEPS // 2
+    results = run_ranks(_rotating, world, tmp_path / "faulty", world - 1)
+    [first, *_] = _summary(results)
+    assert (first[1], first[2], first[3]) == ("persistent", "rollback", [2]), first
+    assert first[0] <= 2 * world and all(r["dirty"] for r in results)
+
+
 def _agreement_hangs_on_one_rank(rank: int) -> dict[str, Any]:
     """Rank 1 stops before the late guards' agreement of step 3 (it is stuck elsewhere): the others must get the
     collective layer's typed error within ``sdc.timeout_s``, not wait on a group of their own without a deadline."""
