@@ -94,7 +94,7 @@ ROTATE = dict(replay_every_n_steps=2, reconcile_every_n_steps=0, replay_scope="r
 def _rotating(rank: int, faulty_rank: int | None) -> dict[str, Any]:
     """Replay rounds of one batch by turns, no communication hook: a device that flips a low mantissa bit of every
     gradient it computes (no guard sees it) is met as the owner of the batch or as its partner."""
-    _, outcomes, monitor = train(
+    _, _, monitor = train(
         STEPS, SDCConfig(**ROTATE), rank=rank, ddp=True, faulty_every_k=1 if rank == faulty_rank else 0,
         faulty_bit_class="mantissa_low",
     )  # fmt: skip
