@@ -56,7 +56,10 @@ from benchmarks._common import (
 
 TITLE = "Scale: the step path from 2 to 32 ranks, and a model for 1k to 16k ranks"
 DEFAULT_OUT = RESULTS_DIR / "scale.json"
-README_PENDING = "* **scale** (the suite's cost per ordinary step against the number of ranks): pending."
+README_PENDING = (
+    "**scale** (the suite's cost per ordinary step against the number of ranks): no result yet "
+    "(`python -m benchmarks.scale` on a quiet machine)."
+)
 FANOUT = 4
 WARMUP = 5
 PREDICT_AT = (1024, 4096, 16384)

@@ -20,8 +20,9 @@ class ExitCode(IntEnum):
     STRAGGLER = 83
     """Stopped for a persistent straggler, after a checkpoint: restart without the slow node."""
     SDC = 84
-    """The training state is corrupt (a device computes wrong results): restart from the newest verified step,
-    excluding the node. Never 0, whatever the policy did about it during the run."""
+    """The training state is corrupt (a device computes wrong results), or in-process rollbacks could not help (no
+    RAM snapshot old enough; a fault that came back at the same step whatever the batch): restart from the newest
+    verified step, excluding the node the verdict names (if any). Never 0, whatever the policy did about it."""
     HANG = 86
     """The watchdog ended a hung rank (stack dumps written): restart the group."""
     PREEMPTED = 87
@@ -29,9 +30,9 @@ class ExitCode(IntEnum):
     NO_PROGRESS = 88
     """The launcher gave up: restarts brought no newer committed step; do not requeue."""
     DIVERGED = 89
-    """Training kept going wrong (non-finite or spiking values) after the in-process rollbacks allowed per window,
-    or was set to stop on the first: the last good state was saved. A restart would likely fail the same way: look
-    at the data (the quarantine file) and the hyperparameters before requeueing."""
+    """Training kept going wrong (non-finite or spiking values, at different steps) after the in-process rollbacks
+    allowed per window, or was set to stop on the first: the last good state was saved. A restart would likely fail
+    the same way: look at the data (the quarantine file) and the hyperparameters before requeueing."""
 
 
 class DecidedExit(SystemExit):

@@ -20,6 +20,7 @@ from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.cli import main
 from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
 from lightning_resilience.report import assemble, save_json
+from lightning_resilience.testing.faults import FaultPlan
 from tests.lightning._training import assert_bitwise_equal, build, trainer, weights
 
 
@@ -65,7 +66,30 @@ def test_ls_lists_tiers_steps_kinds_and_verification(root: Path, capsys: pytest.
     assert set(rows) == {"2", "4", "6", "8", "3", "9"}
     assert "full" in rows["3"] and "delta of 3" in rows["9"]
     assert "1/1" in rows["4"] and "yes" in rows["4"]
-    assert "sdc_verified=True" in rows["4"] and "sdc_verified=False" in rows["9"]
+    assert "verified, content print" in rows["4"] and "unverified" in rows["9"]
+
+
+def test_ls_shows_a_rejected_step_and_verify_refuses_another_steps_tensors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tier = LocalTier(tmp_path / "durable", every_n_steps=1, keep=10, name="durable")
+    FaultPlan().fail_at(None, 3, "tier.durable.write", "stale").instrument(tier)  # step 3 holds step 2's tensors
+    manager = CheckpointManager([tier])
+    manager.setup()
+    try:
+        for step in range(1, 6):
+            manager.on_step(step, partial(_state, step))
+            assert manager.wait()
+        assert manager.reject(4, "SDC at step 6: inconclusive") == [5]
+    finally:
+        manager.close()
+    rc, out, _ = _run(capsys, "ckpt", "ls", str(tmp_path / "durable"))
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 3}
+    assert rc == 0 and "rejected: SDC at step 6: inconclusive" in rows["5"] and "unverified" in rows["4"]
+    rc, out, _ = _run(capsys, "ckpt", "verify", str(tmp_path / "durable"))
+    assert rc == 1 and "3 valid, 1 corrupt" in out and "REJECTED tier durable step 5" in out
+    [corrupt] = [line for line in out.splitlines() if line.startswith("CORRUPT")]
+    assert "step_000000000003" in corrupt and "are not the state that was snapshotted" in corrupt
 
 
 def test_verify_passes_then_names_the_corrupt_file(root: Path, capsys: pytest.CaptureFixture[str]) -> None:

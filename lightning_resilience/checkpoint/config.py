@@ -3,14 +3,14 @@ independent of the tiers it drives; each tier owns its own ``Config`` (``LocalTi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from lightning_resilience._configurable import ConfigError, StrEnum, as_enum, check_finite
 
 __all__ = ["ON_PERSIST_ERROR", "CheckpointConfig", "IfNoneValid"]
 
-_RESUME_WORDS = ("auto", "never")
+_RESUME_WORDS = ("auto", "never", "verified")
 
 
 class IfNoneValid(StrEnum):
@@ -30,7 +30,8 @@ class CheckpointConfig:
     """Behaviour of the checkpoint engine, independent of which tiers it drives."""
 
     resume: str = "auto"
-    """'auto' (newest step every rank can load), 'never', or a step number to resume from."""
+    """'auto' (newest step every rank can load), 'verified' (the newest such step whose verification state is
+    'verified': a clean SDC check covered it), 'never', or a step number to resume from."""
     if_none_valid: IfNoneValid = IfNoneValid.start_fresh
     """What to do when checkpoints exist but none is valid on every rank."""
     on_persist_error: str = "warn"
@@ -71,11 +72,21 @@ class CheckpointConfig:
     collective_timeout_s: float = 300.0
     """Longest wait for the other ranks at one agreement (persist or defer, which steps to keep, which step to
     restore); a rank that does not come in time is a CollectiveError on every rank, not a hang."""
+    content_check: bool = True
+    """Take a content print of each step captured for a persistent tier (one sum per tensor, where it lives, read
+    late) and check it when a tier commits the step and when it is restored: a commit or a restore of tensors that
+    are not that step's (stale staging buffers, another step's tensors) is refused and named."""
+    verified_only: list[str] = field(default_factory=list)
+    """Tiers (by name) that get only steps whose verification state is 'verified' when they are captured: a durable
+    tier that must never publish a step inside an unverified window. Put its cadence on the steps SDC checks
+    (a multiple of ``sdc.reconcile_every_n_steps``)."""
 
     def __post_init__(self) -> None:
         self.resume = str(self.resume)
         if self.resume not in _RESUME_WORDS and not self.resume.isdigit():
-            raise ConfigError("checkpoint", "resume", f"must be 'auto', 'never' or a step number, got {self.resume!r}")
+            raise ConfigError(
+                "checkpoint", "resume", f"must be 'auto', 'verified', 'never' or a step number, got {self.resume!r}"
+            )
         self.if_none_valid = as_enum(IfNoneValid, self.if_none_valid, "checkpoint", "if_none_valid")
         if self.on_persist_error not in ON_PERSIST_ERROR:
             choices = list(ON_PERSIST_ERROR)
@@ -89,9 +100,16 @@ class CheckpointConfig:
         check_finite("checkpoint", "mtbf_prior_s", self.mtbf_prior_s)
         if self.cadence_review_steps < 1:
             raise ConfigError("checkpoint", "cadence_review_steps", f"must be >= 1, got {self.cadence_review_steps}")
+        if len(set(self.verified_only)) != len(self.verified_only) or not all(self.verified_only):
+            raise ConfigError("checkpoint", "verified_only", f"must name tiers once each, got {self.verified_only}")
         for key in ("drain_timeout_s", "snapshot_timeout_s", "emergency_timeout_s", "collective_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError("checkpoint", key, f"must be > 0, got {getattr(self, key)}")
+
+    @property
+    def verified_resume(self) -> bool:
+        """Resume only from a step verified clean (``resume: verified``)."""
+        return self.resume == "verified"
 
     @property
     def resume_step(self) -> int | None:

@@ -190,6 +190,12 @@ class ResumableBatchSampler(Sampler[Any]):
         """The batch the next iteration starts at, when it continues a saved epoch."""
         return None if self._resume is None else self._resume[0]
 
+    @property
+    def open_epoch(self) -> EpochStart | None:
+        """The epoch the sampler is in: the one its next iteration continues when a saved epoch is loaded, else the
+        one it iterates (None: none started)."""
+        return self.epoch if self._resume is None else self._resume[1]
+
     def __iter__(self) -> Iterator[Any]:
         if self._resume is None:  # a new epoch: its quarantined positions were queued as the next epoch's
             self.skip, self.skip_next = self.skip_next, set()

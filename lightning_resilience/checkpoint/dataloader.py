@@ -120,8 +120,9 @@ class LoaderCursor:
             drop_persistent_iterator(self.loader)  # it holds the index sampler it was created with
 
     def state_dict(self, consumed: int, epoch_batches: int | None = None) -> dict[str, Any]:
-        """The position after ``consumed`` batches of the current epoch (of ``epoch_batches``, default all)."""
-        epoch = self.sampler.epoch
+        """The position after ``consumed`` batches of the current epoch (of ``epoch_batches``, default all); right
+        after a load (an in-process rollback), the loaded epoch the next iteration continues."""
+        epoch = self.sampler.open_epoch
         return {
             "epoch": None if epoch is None else epoch.state_dict(),
             "position": int(consumed),

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import cast
@@ -74,9 +74,10 @@ class EmergencySave:
         self.budget = budget
         self.stats = stats
 
-    def run(self, ok: bool) -> int | None:
-        """Save; ``ok`` is False when this rank must not write (its worker is still busy). Returns the step
-        persisted to at least one tier (or already there), or None."""
+    def run(self, ok: bool, on_commit: Callable[[str, int], None] | None = None) -> int | None:
+        """Save; ``ok`` is False when this rank must not write (its worker is still busy); ``on_commit(tier,
+        step)`` is told of every write committed. Returns the step persisted to at least one tier (or already
+        there), or None."""
         held = sorted({s for tier in self.ram for s in tier.list_steps()})
         mine = _View(ok, held, {t.name: t.list_steps() for t in self.persistent})
         views = self._agree(mine)
@@ -117,6 +118,8 @@ class EmergencySave:
                 continue
             if self._write(target, snap, local_only=target.collective and views is None):
                 saved = True
+                if on_commit is not None:
+                    on_commit(target.name, snap.step)
                 if views is not None:
                     apply_retention(target, protect.get(target.name))
         return step if saved else None

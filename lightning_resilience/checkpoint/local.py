@@ -15,8 +15,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from lightning_resilience._configurable import ConfigError, config_from_args
+from lightning_resilience.checkpoint.certify import TOMBSTONE, tombstone
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
-from lightning_resilience.checkpoint.format import check_identity, fsync_dir, read_shard, shard_bytes, write_shard
+from lightning_resilience.checkpoint.format import (
+    check_identity,
+    fsync_dir,
+    read_shard,
+    shard_bytes,
+    write_shard,
+    write_synced,
+)
 from lightning_resilience.checkpoint.layout import (
     is_leftover_of,
     leftover_name,
@@ -162,6 +170,14 @@ class LocalTier:
             step_dir.rmdir()  # succeeds for the last rank out; other ranks' shards keep it alive
         except OSError:
             pass
+
+    def reject(self, step: int, reason: str) -> None:
+        step_dir = self.root / step_dirname(step)
+        if step_dir.is_dir():  # every rank writes the same record: the last one written stays
+            tmp = step_dir / f".{TOMBSTONE}.{self._rank_name}.tmp"
+            write_synced(tmp, tombstone(step, reason))
+            os.replace(tmp, step_dir / TOMBSTONE)
+        self.delete(step)  # the record keeps the step directory (a later write of this step supersedes it)
 
     def _discard(self, shard: Path) -> None:
         # rename first: a reader never sees a committed shard with files missing

@@ -19,8 +19,10 @@ from typing import Any, cast
 import torch
 
 from lightning_resilience.checkpoint.cadence import CadenceController
+from lightning_resilience.checkpoint.certify import check_verified_only, publishable, reject_newer
 from lightning_resilience.checkpoint.commits import CommitListeners
 from lightning_resilience.checkpoint.config import CheckpointConfig
+from lightning_resilience.checkpoint.content import ContentPrint
 from lightning_resilience.checkpoint.emergency import EmergencySave
 from lightning_resilience.checkpoint.errors import CheckpointWorkerError
 from lightning_resilience.checkpoint.persist_view import PersistAgreement
@@ -63,6 +65,7 @@ class CheckpointManager:
             raise ValueError(f"checkpoint.tiers must have unique names, got {names}")
         self.tiers = restore_order(list(tiers))
         self.config = config or CheckpointConfig()
+        check_verified_only(self.config.verified_only, names)
         self._clock = clock
         # a RAM tier holds the snapshot buffers themselves (the RamTier protocol), in process or shared memory
         self._memory = [cast(RamTier, t) for t in self.tiers if t.ram]
@@ -190,6 +193,8 @@ class CheckpointManager:
         )
         if not memory_due and not persist_due:
             return False
+        full_meta = self._meta(step, meta)  # the same on every rank: its verification state decides with the others
+        persist_due = publishable(self.config.verified_only, persist_due, step, full_meta)
         start = self._clock()
         persist_now: list[Tier] = []
         protect: dict[str, int | None] = {}
@@ -207,16 +212,16 @@ class CheckpointManager:
                 self.agreement.history.attempted(names, step)
         if memory_due or persist_now:
             flat = flatten_state(state(), warn=self._warn_once)
-            slot = self._pool.capture(
-                step, flat, self._meta(step, meta), timeout=self.config.snapshot_timeout, overlap=overlap
-            )
+            # the print of the live state, before the copy: what a commit and a restore of this step must find
+            content = ContentPrint(step, flat.tensors) if persist_now and self.config.content_check else None
+            slot = self._pool.capture(step, flat, full_meta, timeout=self.config.snapshot_timeout, overlap=overlap)
             for tier in memory_due:
                 self._pool.retain(slot)
                 written = tier.adopt(slot, self._pool.release)
                 self.stats.tiers[tier.name].record_write(step, written.nbytes, 0.0)
             if persist_now:
                 self._pool.retain(slot)
-                self._worker.submit(partial(self._persist, slot, persist_now, protect))
+                self._worker.submit(partial(self._persist, slot, persist_now, protect, content))
             self._pool.release(slot)
             self.stats.state_bytes = slot.nbytes
             self.stats.host_bytes = self._pool.host_bytes
@@ -247,29 +252,24 @@ class CheckpointManager:
                 return view.idle and view.missing_anywhere(tier.name, step)
             return idle and step not in tier.list_steps()
 
-        due = [t for t in self._persistent if wanted(t)]
+        full_meta = self._meta(step, meta)
+        due = publishable(self.config.verified_only, [t for t in self._persistent if wanted(t)], step, full_meta)
         if not due:
             return
         protect = view.protect([t.name for t in due])
         self.agreement.history.attempted([t.name for t in due], step)
-        slot = self._pool.capture(step, flatten_state(state(), warn=self._warn_once), self._meta(step, meta))
-        self._worker.submit(partial(self._persist, slot, due, protect))  # takes over our slot reference
+        flat = flatten_state(state(), warn=self._warn_once)
+        content = ContentPrint(step, flat.tensors) if self.config.content_check else None
+        slot = self._pool.capture(step, flat, full_meta)
+        self._worker.submit(partial(self._persist, slot, due, protect, content))  # takes over our slot reference
         if not self.wait():
             log.error("final persist of step %d did not finish within %s", step, self.config.drain_timeout)
 
     def emergency_save(self, deadline: timedelta | None = None, *, collective: bool = False) -> int | None:
-        """Persist the newest RAM snapshot to the persistent tiers, fastest first, within ``deadline``.
-
-        For a preemption notice or an exception: the snapshot is the last state captured at a step boundary, not
-        the live (possibly half-updated) state. With ``collective=True`` every rank calls it: every rank reaches
-        the same agreements whatever it holds, collective tiers are written by all ranks or none, and retention
-        keeps the newest step committed everywhere. Otherwise it is rank-local: no collective runs, a collective
-        tier keeps only this rank's copy, and nothing is deleted. Every tier write is bounded by what is left of
-        ``deadline`` (default ``checkpoint.drain_timeout_s``).
-
-        Returns:
-            The step persisted to at least one tier (or already there), or None if there was nothing to save.
-        """
+        """Persist the newest RAM snapshot (the last state captured at a step boundary) to the persistent tiers,
+        fastest first, within ``deadline`` (default ``checkpoint.drain_timeout_s``): for a preemption notice or an
+        exception. ``collective``: every rank calls it (:class:`.emergency.EmergencySave`); otherwise it is
+        rank-local. Returns the step persisted to at least one tier (or already there), or None."""
         budget = Deadline(deadline or self.config.drain_timeout)
         ok = True
         try:
@@ -282,13 +282,7 @@ class CheckpointManager:
             log.error("emergency save: this rank cannot write (%s: %s)", type(err).__name__, err)
             ok = False
         save = EmergencySave(self._memory, self._persistent, self._group if collective else None, budget, self.stats)
-        before = {t.name: self.stats.tiers[t.name].writes for t in self._persistent}
-        saved = save.run(ok)
-        for tier in self._persistent:  # the emergency writes bypass the worker: tell the listeners here
-            stats = self.stats.tiers[tier.name]
-            if stats.writes != before[tier.name] and stats.last_step is not None:
-                self._commits.tell(tier.name, stats.last_step)
-        return saved
+        return save.run(ok, on_commit=self._commits.tell)  # its writes bypass the worker: it tells the listeners
 
     def wait_snapshot(self) -> None:
         """Block (bounded) until the newest snapshot's background copy has landed; the wait counts as blocking."""
@@ -311,10 +305,8 @@ class CheckpointManager:
         self.cadence.blocked(waited)
 
     def guard_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Make ``optimizer.step`` come after an in-flight snapshot copy of the tensors it is about to change.
-
-        Returns the hook handle (``.remove()`` it when done).
-        """
+        """Make ``optimizer.step`` come after an in-flight snapshot copy of the tensors it is about to change;
+        returns the hook handle (``.remove()`` it when done)."""
         return optimizer.register_step_pre_hook(lambda *_: self.order_snapshot())
 
     def _hold_failure(self, call: Callable[[], Any]) -> Any:
@@ -327,19 +319,27 @@ class CheckpointManager:
             self._failure = self._failure or err
             return None
 
-    def _persist(self, slot: HostSnapshot, tiers: list[Tier], protect: dict[str, int | None]) -> list[PersistResult]:
-        """Runs on the worker thread: write the slot to each tier, then apply retention.
-
-        Every tier is attempted whatever happened to the ones before it, so a collective tier's exchange is entered
-        on every rank; an error other than an I/O error is re-raised once all tiers are done (it stops training).
-        """
+    def _persist(
+        self,
+        slot: HostSnapshot,
+        tiers: list[Tier],
+        protect: dict[str, int | None],
+        content: ContentPrint | None = None,
+    ) -> list[PersistResult]:
+        """On the worker thread: check the staged tensors against the step's content print (not the step's state:
+        committed nowhere), write the slot to each tier (every tier attempted, so a collective tier's exchange is
+        entered on every rank), then apply retention; an error other than an I/O error is re-raised at the end."""
         results = []
         unexpected: BaseException | None = None
         try:
             snap = slot.view(self._writer)
+            refused = content.refuse(snap) if content is not None else None
             for tier in tiers:
                 start = time.perf_counter()
                 deleted: list[int] = []
+                if refused is not None:
+                    results.append(PersistResult(tier.name, snap.step, 0, 0.0, refused))
+                    continue
                 try:
                     written = tier.write(snap)
                     deleted = apply_retention(tier, protect.get(tier.name))
@@ -369,12 +369,8 @@ class CheckpointManager:
                     self.agreement.committed(res.tier, res.step, res.deleted)
                     continue
                 error = stats.record_failure(res.error)
-                log.warning(
-                    "checkpoint of step %d to tier %r failed (%s); training continues, earlier checkpoints are intact",
-                    res.step,
-                    res.tier,
-                    error,
-                )
+                log.warning("checkpoint of step %d to tier %r failed (%s); training continues, earlier checkpoints are "
+                            "intact", res.step, res.tier, error)  # fmt: skip
                 if self.config.on_persist_error == "raise":
                     raise CheckpointWorkerError(
                         f"persist of step {res.step} to tier {res.tier!r} failed: {error} "
@@ -393,6 +389,16 @@ class CheckpointManager:
         self._hold_failure(self.collect)
         return idle is not False
 
+    # ------------------------------------------------------------ certified steps
+    def reject(self, newer_than: int, reason: str) -> list[int]:
+        """Reject every step newer than ``newer_than`` in every tier of this rank (:func:`.certify.reject_newer`);
+        waits (bounded) for a persist in flight, which may be one of them. Returns the steps rejected here."""
+        self.wait(hold_failure=True)
+        self._deferred = []
+        rejected = reject_newer(self.tiers, newer_than, reason)
+        self.stats.rejected_steps = sorted({*self.stats.rejected_steps, *rejected})
+        return rejected
+
     # ---------------------------------------------------------------- restore
     def restore(
         self,
@@ -402,14 +408,9 @@ class CheckpointManager:
         rebuild_dtensor: DTensorRebuilder | None = None,
         memory_only: bool = False,
     ) -> Restored | None:
-        """Collectively pick and load the newest step that every rank can load (or exactly ``step``).
-
-        Each rank lists committed steps in all its tiers; the candidates are the steps every rank has. From the
-        newest down, every rank loads and validates its shard from its fastest tier that has one; the step is
-        taken only if all ranks succeeded. A corrupt or partial shard is skipped with a warning naming it.
-        ``max_step`` bounds the choice (a rollback to a step known to be good). ``rebuild_dtensor`` turns saved
-        local shards back into DTensors (sharded strategies only). ``memory_only``: only the RAM tiers are read, and
-        the resume figures are left alone (an in-process rollback).
+        """Collectively pick and load the newest step that every rank can load (or exactly ``step``; at most
+        ``max_step``): :class:`.restore.CollectiveRestore`. ``rebuild_dtensor`` turns saved local shards back into
+        DTensors (sharded strategies). ``memory_only``: only the RAM tiers (an in-process rollback).
 
         Raises:
             NoValidCheckpointError: ``step`` was requested but is not loadable everywhere, or nothing valid was

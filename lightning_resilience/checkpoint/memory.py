@@ -239,6 +239,9 @@ class MemoryTier:
         if self._shared is not None:
             self._shared.forget(step)
 
+    def reject(self, step: int, reason: str) -> None:
+        self.delete(step)  # process memory: nothing outlives the process to record
+
     def reshard_root(self) -> Path | None:
         return None
 

@@ -33,6 +33,7 @@ from typing import Any
 import fsspec
 
 from lightning_resilience._configurable import ConfigError, config_from_args
+from lightning_resilience.checkpoint.certify import TOMBSTONE, tombstone
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.format import (
     MANIFEST,
@@ -304,6 +305,15 @@ class RemoteTier(RetryingCalls):
             self._rmdir(f"{self.root}/{step_dirname(step)}")  # the last rank out removes the step directory
         with self._lock:
             self._known.discard(step)
+
+    def reject(self, step: int, reason: str) -> None:
+        """Record the rejection in the step's prefix (every rank writes the same record), then delete the shard."""
+        self._invalidate()
+        with tempfile.TemporaryDirectory(prefix=f"lr-{self.name}-") as tmp:
+            record = Path(tmp) / TOMBSTONE
+            record.write_bytes(tombstone(step, reason))
+            self._upload(record, f"{self.root}/{step_dirname(step)}/{TOMBSTONE}")
+        self.delete(step)
 
     # ------------------------------------------------------------------ protocol pieces
     def _committed_steps(self, attempts: int) -> list[int]:

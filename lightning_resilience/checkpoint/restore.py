@@ -16,7 +16,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import cast
 
+from lightning_resilience.checkpoint.certify import Verification, verification_of
 from lightning_resilience.checkpoint.config import CheckpointConfig
+from lightning_resilience.checkpoint.content import check_content, without_print
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError, NoValidCheckpointError
 from lightning_resilience.checkpoint.reshard import reshardable_steps, restore_resharded_agreed
 from lightning_resilience.checkpoint.snapshot import StagedSnapshot
@@ -82,7 +84,9 @@ class CollectiveRestore:
             common &= {step}
         if max_step is not None:
             common = {s for s in common if s <= max_step}
-        if step is None and common and self.config.allow_reshard and not in_process:
+        # a resharded step carries no verification of this world size's checks: resume=verified never reshards
+        reshard = self.config.allow_reshard and not in_process and not self.config.verified_resume
+        if step is None and common and reshard:
             # a newer step written by another world size (the job shrank or grew since) beats an older native one
             resharded = self._resharded(max_step, rebuild_dtensor, start, newer_than=max(common))
             if resharded is not None:
@@ -91,7 +95,7 @@ class CollectiveRestore:
             restored = self._try(candidate, where[candidate], rebuild_dtensor, start)
             if restored is not None:
                 return restored
-        if step is None and self.config.allow_reshard and not in_process:  # a step written by another world size?
+        if step is None and reshard:  # a step written by another world size?
             resharded = self._resharded(max_step, rebuild_dtensor, start)
             if resharded is not None:
                 return resharded
@@ -117,7 +121,7 @@ class CollectiveRestore:
         for tier in tiers:
             try:
                 if not tier.ram:
-                    snap, source = tier.read(candidate), tier
+                    snap, source = self._checked(tier, candidate), tier
                     break
                 if cast(RamTier, tier).holds(candidate):  # taken only after the agreement below
                     source = tier
@@ -132,6 +136,8 @@ class CollectiveRestore:
         assert source is not None
         if snap is None:
             snap = cast(RamTier, source).take(candidate)  # RAM hands its buffers over instead of copying them
+        elif not self._in_process:
+            self._keep_in_memory(snap)
         state = unflatten_state(snap.skeleton, snap.tensors, rebuild_dtensor=rebuild_dtensor)
         elapsed = self.clock() - start
         if not self._in_process:  # the figures of a resume; an in-process rollback reports its own
@@ -142,7 +148,27 @@ class CollectiveRestore:
             )
             self.stats.restored_at = time.time()
         log.info("restored step %d from tier %r in %.3fs", candidate, source.name, elapsed)
-        return Restored(candidate, state, source.name, elapsed, snap.meta)
+        return Restored(candidate, state, source.name, elapsed, without_print(snap.meta))
+
+    def _checked(self, tier: Tier, step: int) -> StagedSnapshot:
+        """``tier.read(step)``, refused when its tensors are not the step's state (its content print) or when only
+        verified steps may be resumed and this one is not."""
+        snap = tier.read(step)
+        check_content(snap.tensors, snap.meta, step=step, where=f"tier {tier.name!r}")
+        if self.config.verified_resume and not self._in_process:
+            state = verification_of(snap.meta)
+            if state is not Verification.verified:
+                raise CheckpointCorruptError(f"tier {tier.name!r}: step {step} is {state} (checkpoint.resume=verified)")
+        return snap
+
+    def _keep_in_memory(self, snap: StagedSnapshot) -> None:
+        """A step resumed from a persistent tier becomes a RAM snapshot too (a copy), so that a fault at the first
+        step after the resume can be rolled back in the process (after an in-process rollback the step driver
+        captures the restored state, quarantined batch included)."""
+        for tier in self.tiers:
+            if tier.ram and not cast(RamTier, tier).holds(snap.step):
+                tier.write(snap)
+                return
 
     def _resharded(
         self,
@@ -194,7 +220,7 @@ class CollectiveRestore:
             self.identity.world_size,
             res.old_world_size,
         )
-        return Restored(res.step, res.state, name, elapsed, res.meta)
+        return Restored(res.step, res.state, name, elapsed, without_print(res.meta))
 
     def _nothing(self, step: int | None, anything: bool) -> None:
         if step is not None:

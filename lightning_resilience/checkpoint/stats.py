@@ -56,6 +56,8 @@ class CheckpointStats:
     restored_at: float | None = None
     """Wall-clock time (time.time) when the resume's restore ended."""
     skipped_corrupt: list[str] = field(default_factory=list)
+    rejected_steps: list[int] = field(default_factory=list)
+    """Steps a verdict rejected in this rank's tiers (:meth:`CheckpointManager.reject`)."""
 
     @property
     def capture_seconds_mean(self) -> float:

@@ -5,8 +5,8 @@ The manager never asks a tier what it is (no ``isinstance``, no ``getattr``): wh
 protocol. ``durability`` says what a copy survives, ``ram`` that the tier holds the snapshot buffers themselves (a
 :class:`RamTier`: first in the restore order, whether its buffers live in process memory or outlive the process in
 shared memory), ``collective`` says that every rank must call :meth:`Tier.write` together (a
-:class:`CollectiveTier`), ``write`` returns what it committed, and :meth:`Tier.reshard_root` has an answer on
-every tier.
+:class:`CollectiveTier`), ``write`` returns what it committed, and :meth:`Tier.reshard_root` and :meth:`Tier.reject`
+have an answer on every tier.
 """
 
 from __future__ import annotations
@@ -122,6 +122,11 @@ class Tier(Protocol):
 
     def delete(self, step: int) -> None:
         """Remove a committed step; a reader never sees it half-deleted."""
+
+    def reject(self, step: int, reason: str) -> None:
+        """Take committed ``step`` out for good: a verdict found the state it holds corrupt
+        (:mod:`~lightning_resilience.checkpoint.certify`). It is never listed or read again; a tier that outlives the
+        process leaves a record of the rejection (``reason``) in the step's directory, where ``ckpt ls`` finds it."""
 
     def reshard_root(self) -> Path | None:
         """The directory whose steps every rank can read whole, for restoring a step written by another world

@@ -28,9 +28,28 @@ def _when(created: float) -> str:
 
 
 def _verification(meta: dict[str, Any]) -> str:
-    """Verification figures a component recorded in the manifest meta (e.g. ``sdc_verified``)."""
-    keys = [k for k in sorted(meta) if "verif" in k.lower() or k.lower().startswith("sdc")]
-    return ", ".join(f"{k}={meta[k]}" for k in keys) or "-"
+    """The verification state a step was committed with (:mod:`lightning_resilience.checkpoint.certify`), and
+    whether it carries a content print."""
+    from lightning_resilience.checkpoint.certify import verification_of
+    from lightning_resilience.checkpoint.content import CONTENT
+
+    return verification_of(meta).value + (", content print" if CONTENT in meta else "")
+
+
+def _rejected(root: Path, steps_with_shards: set[int]) -> dict[int, str]:
+    """Step -> reason of the steps a verdict rejected in the tier at ``root`` (no shard of them left)."""
+    from lightning_resilience.checkpoint.certify import TOMBSTONE
+    from lightning_resilience.checkpoint.layout import step_dirs
+
+    out = {}
+    for step, step_dir in step_dirs(root).items():
+        record = step_dir / TOMBSTONE
+        if step not in steps_with_shards and record.is_file():
+            try:
+                out[step] = str(json.loads(record.read_text()).get("reason", ""))
+            except (OSError, ValueError) as err:
+                out[step] = f"(record unreadable: {err})"
+    return out
 
 
 # --------------------------------------------------------------------------------------------- commands
@@ -56,6 +75,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         steps: dict[int, list[ShardRef]] = {}
         for s in tier_shards:
             steps.setdefault(s.step, []).append(s)
+        for step, reason in _rejected(tier_shards[0].root, set(steps)).items():
+            table.add_row(str(step), "0", "no", "-", "-", "-", f"rejected: {reason}")
         for step, group in sorted(steps.items()):
             committed, nbytes, kinds, world, created, verified = 0, 0, set(), set(), 0.0, "-"
             for s in group:
@@ -86,8 +107,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from lightning_resilience.checkpoint.content import check_content
     from lightning_resilience.checkpoint.delta_tier import DELTA_OF
-    from lightning_resilience.checkpoint.format import read_manifest, validate_shard
+    from lightning_resilience.checkpoint.format import read_manifest, read_shard, validate_shard
 
     where = Path(args.path)
     shards = select(discover(where), where, step=args.step, rank=None, tier=getattr(args, "tier", None))
@@ -117,18 +139,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     base_shard = s.root / step_dirname(int(base)) / s.path.name
                     if not (base_shard / "manifest.json").is_file():
                         raise CheckpointCorruptError(f"{s.path}: delta against full step {base}, which is missing")
+                else:  # the tensors are the step's state: its content print (a delta's are checked on restore)
+                    _, snap = read_shard(s.path, verify_checksums=False)
+                    check_content(snap.tensors, snap.meta, step=m.step, where=str(s.path))
                 seen = worlds.setdefault((s.tier, s.step), (set(), set()))
                 seen[0].add(m.world_size)
                 seen[1].add(m.rank)
                 print(
                     f"OK       {s.path}  step={m.step} rank={m.rank}/{m.world_size} files={len(m.files)}"
-                    + (f" delta_of={base}" if base is not None else ""),
+                    + (f" delta_of={base}" if base is not None else "")
+                    + f" verification={_verification(m.meta)}",
                     flush=True,
                 )
             except CheckpointCorruptError as err:
                 bad += 1
                 print(f"CORRUPT  {err}", flush=True)
             bar.advance(task, sizes[s.path])
+    roots = {s.tier: s.root for s in shards}
+    for tier, root in sorted(roots.items()):
+        for step, reason in _rejected(root, {s.step for s in shards if s.tier == tier}).items():
+            print(f"REJECTED tier {tier} step {step}: {reason} (never restored)")
     incomplete = 0
     for (tier, step), (world, ranks) in sorted(worlds.items()):
         if len(world) == 1 and len(ranks) < next(iter(world)):

@@ -47,6 +47,11 @@ class CheckpointStore(Protocol):
 
     def add_meta_provider(self, provider: Callable[[int], dict[str, Any]]) -> None: ...
 
+    def reject_after(self, step: int, reason: str) -> list[int]:
+        """Reject every step newer than ``step`` in every tier (a verdict found the state corrupt after it); every
+        rank calls it at the same decision. Returns the steps rejected on this rank."""
+        ...
+
     def persist_now(self, trainer: Trainer, meta: dict[str, Any] | None = None) -> None:
         """Collective: persist the current step to every persistent tier and wait."""
         ...

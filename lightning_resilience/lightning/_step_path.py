@@ -97,7 +97,10 @@ class _Act:
 
 def _describe(decision: Decision) -> str:
     details = "; ".join(v.detail for v in decision.verdicts) or "(verdict posted on another rank)"
-    return f"resilience policy at step {decision.step}: {decision.action.value} ({decision.event.value}: {details})"
+    code = decision.exit_code
+    ending = f"; exit code {int(code)} ({code.name})" if decision.action.stops else ""
+    what = f"{decision.action.value} ({decision.event.value}: {details})"
+    return f"resilience policy at step {decision.step}: {what}{ending}"
 
 
 def act_for(suite: Suite, trainer: Trainer, pl_module: LightningModule) -> Actor:

@@ -287,6 +287,7 @@ class Suite:
         return True
 
     def rolled_back(self, restored: int, steps_lost: int) -> None:
+        self._rollback_pending = False  # the restored state is good: the step driver captures it
         for listener in self._rolled_back:
             listener(restored, steps_lost)
 

@@ -6,8 +6,11 @@ verdict names), (2) agrees on the newest snapshot every rank holds in RAM at or 
 through :class:`~lightning_resilience.lightning.callbacks.TieredCheckpoint` — model, optimizers, schedulers,
 precision scaler, loops, callbacks, RNG streams, the train loaders' position — (4) leaves the offending batch out
 of its epoch on every rank and writes its sample indices to the quarantine file, and (5) goes on training. Nothing is
-read from disk, no process or process group is created. Past ``policy.rollback.max_rollbacks`` per window the job
-escalates: the good state is restored, persisted, and the job stops with ``ExitCode.DIVERGED``.
+read from disk, no process or process group is created. The restored step stays in RAM (a fault that comes back at
+once is rolled back again). Past ``policy.rollback.max_rollbacks`` per window the job escalates: the good state is
+restored, persisted, and the job stops with a code that says whether a restart can help: ``ExitCode.SDC`` (restart
+elsewhere) for an SDC mismatch or a fault that came back at the same step whatever the batch, else
+``ExitCode.DIVERGED`` (no restart).
 """
 
 from __future__ import annotations
@@ -66,12 +69,19 @@ class InProcessRollback:
         if plan.target is None or store is None:
             return self._stop_unrestored(suite, trainer, decision, plan)
         restored = store.restore_memory(plan.target)  # collective; raises if not loadable everywhere
+        # the updates from the bad step on are suspect wherever they were committed: rejected on every rank and tier
+        store.reject_after(bad, f"{decision.event.value} at step {bad}, rolled back in the process at step "
+                                f"{plan.detected_at}")  # fmt: skip
         # a device fault (SDC mismatch) is not the data's doing: its batch is trained on again
         skip = self.config.skip_batch and not plan.escalate and decision.event is not Event.SDC_MISMATCH
         skip_ahead = bad - plan.target if skip else None
         skipped = store.rollback_to(trainer, restored, skip_ahead)
         suite.rolled_back(plan.target, plan.detected_at - plan.target)
         indices = group.all_gather_object(skipped, op="rollback_quarantine", step=plan.target)
+        detail = "; ".join(v.detail for v in mine) or "(verdict posted on another rank)"
+        code, why = _escalation(decision.event, plan) if plan.escalate else (ExitCode.OK, "")
+        if plan.escalate:
+            detail += f"; {plan.reason}: stopping with exit code {int(code)} ({code.name}): {why}"
         record = RollbackRecord(
             cause=decision.event.value,
             bad_step=bad,
@@ -80,7 +90,7 @@ class InProcessRollback:
             steps_lost=plan.detected_at - plan.target,
             seconds=time.perf_counter() - start,
             skipped=_by_rank(indices) if skip_ahead is not None else {},
-            detail="; ".join(v.detail for v in mine) or "(verdict posted on another rank)",
+            detail=detail,
             escalated=plan.escalate,
         )
         self.governor.record(record)
@@ -88,9 +98,10 @@ class InProcessRollback:
         log_host_metrics(trainer, {"resilience/rollback/count": len(self.governor.records),
                                    "resilience/rollback/seconds": record.seconds})  # fmt: skip
         if plan.escalate:
-            log.error("in-process rollback: %s; step %d restored, persisting it and stopping", plan.reason, plan.target)
+            log.error("in-process rollback: %s; step %d restored, persisting it and stopping with exit code %d (%s): "
+                      "%s", plan.reason, plan.target, code, code.name, why)  # fmt: skip
             return Decision(trainer.global_step, Action.CHECKPOINT_AND_STOP, decision.event, decision.verdicts,
-                            code=_escalation_code(decision.event))  # fmt: skip
+                            code=code)  # fmt: skip
         if self.config.lr_cooldown_steps:
             if not self._cooldown_installed:
                 self.cooldown.install(list(trainer.optimizers))
@@ -105,16 +116,18 @@ class InProcessRollback:
         return None
 
     def _stop_unrestored(self, suite: Suite, trainer: Trainer, decision: Decision, plan: RollbackPlan) -> Decision:
-        """No snapshot old enough in RAM on every rank: stop without saving (the state is suspect); the restart
-        restores at most the step before the bad one."""
-        log.error("in-process rollback impossible: %s; stopping for a restart from step <= %d", plan.reason,
-                  plan.bad_step)  # fmt: skip
+        """No snapshot old enough in RAM on every rank: stop without saving (the state is suspect) with a code that
+        asks for a restart, which restores at most the step before the bad one from a persistent tier."""
         bound = max(plan.bad_step - self.config.steps_back, 0)
+        log.error("in-process rollback impossible: %s; stopping with exit code %d (%s) for a restart from a persisted "
+                  "step <= %d", plan.reason, _RESTART, _RESTART.name, bound)  # fmt: skip
         verdict = Verdict(decision.event, plan.detected_at, trainer.global_rank, plan.reason, "rollback",
                           verified_step=bound, bad_step=plan.bad_step)  # fmt: skip
         suite.mark_corrupt(trainer, verdict)
-        return Decision(trainer.global_step, Action.ROLLBACK, decision.event, decision.verdicts,
-                        code=_escalation_code(decision.event))  # fmt: skip
+        if suite.store is not None:
+            suite.store.reject_after(plan.bad_step, f"{decision.event.value} at step {plan.bad_step}, not restorable "
+                                                    "in the process")  # fmt: skip
+        return Decision(trainer.global_step, Action.ROLLBACK, decision.event, decision.verdicts, code=_RESTART)
 
     def _write_record(self, suite: Suite, trainer: Trainer, record: RollbackRecord) -> None:
         if not trainer.is_global_zero:
@@ -154,5 +167,17 @@ def _bad_step(verdict: Verdict) -> int:
     return bad
 
 
-def _escalation_code(event: Event) -> ExitCode:
-    return ExitCode.SDC if event is Event.SDC_MISMATCH else ExitCode.DIVERGED
+_RESTART = ExitCode.SDC
+"""The code of a stop whose restart can help: the launcher restarts (elsewhere), the restart restores at most the
+bound written to the run directory."""
+
+
+def _escalation(event: Event, plan: RollbackPlan) -> tuple[ExitCode, str]:
+    """The exit code past the cap, and why: a restart only where one can help."""
+    if event is Event.SDC_MISMATCH:
+        return _RESTART, "the replicas disagree: restart without the suspect device"
+    if plan.recurs:
+        return _RESTART, (
+            f"the fault came back at step {plan.bad_step} with other batches: not the data; restart on other hardware"
+        )
+    return ExitCode.DIVERGED, "the values keep going wrong at different steps: a restart would meet them again"

@@ -223,11 +223,24 @@ def _detection_rows(sections: Mapping[str, Mapping[str, Any]]) -> list[tuple[str
                     rows.append((f"{name} {key}", str(len(value))))
         if name == "rollback" or "rollback" not in sections:  # the run directory's list covers every attempt
             rows += _rollback_rows(name, section.get("rollback") if name != "rollback" else section)
+        rows += _certification_rows(name, section)
         detections = section.get("detections")
         if isinstance(detections, Mapping):
             total = sum(v for v in detections.values() if isinstance(v, int | float))
             detail = ", ".join(f"{k} {v}" for k, v in detections.items())
             rows.append((f"{name} detections", f"{total:g}" + (f" ({detail})" if detail else "")))
+    return rows
+
+
+def _certification_rows(name: str, section: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The newest step verified clean and the checkpoint steps a verdict rejected (SDC's section)."""
+    rows = []
+    verified = section.get("newest_verified_step")
+    if isinstance(verified, int):
+        rows.append((f"{name} newest verified step", str(verified)))
+    rejected = section.get("rejected_steps")
+    if isinstance(rejected, list) and rejected:
+        rows.append((f"{name} rejected checkpoint steps", ", ".join(str(s) for s in rejected) + " (every tier)"))
     return rows
 
 

@@ -30,6 +30,10 @@ class RollbackPlan:
     escalate: bool
     reason: str
     """Why it escalates ('' when it does not)."""
+    recurs: bool = False
+    """Escalating at the cap, every rollback of the window was for this very bad step and left its batch out: the
+    fault comes back at this step whatever the batch, so the data is not its cause (a device fault at a
+    deterministic point of the step is): a restart elsewhere can help where one from the same data cannot."""
 
 
 @dataclass
@@ -90,8 +94,13 @@ class RollbackGovernor:
                 f"{done} rollback(s) within {self.config.window_steps} steps (policy.rollback.max_rollbacks="
                 f"{self.config.max_rollbacks})"
             )
-            return RollbackPlan(bad_step, detected_at, target, True, reason)
+            return RollbackPlan(bad_step, detected_at, target, True, reason, recurs=self._recurs(bad_step))
         return RollbackPlan(bad_step, detected_at, target, False, "")
+
+    def _recurs(self, bad_step: int) -> bool:
+        lo = bad_step - self.config.window_steps
+        window = [r for r in self.records if not r.escalated and lo < r.bad_step]
+        return bool(window) and all(r.bad_step == bad_step and r.skipped for r in window)
 
     def record(self, record: RollbackRecord) -> None:
         self.records.append(record)

@@ -8,7 +8,14 @@ from datetime import timedelta
 
 from lightning_resilience._configurable import ConfigError, StrEnum, as_enum
 
-__all__ = ["Compare", "SDCConfig"]
+__all__ = ["Compare", "ReplayScope", "SDCConfig"]
+
+
+class ReplayScope(StrEnum):
+    """Which batches a scheduled replay round checks."""
+
+    all = "all"
+    rotate = "rotate"
 
 
 class Compare(StrEnum):
@@ -42,6 +49,16 @@ class SDCConfig:
     0 disables the check."""
     replay_every_n_steps: int = 200
     """Steps between two dual-run replays (a guard that fires triggers one at once); 0: only when a guard fires."""
+    replay_scope: ReplayScope = ReplayScope.all
+    """Which batches a scheduled replay round checks: 'all' (every rank's, each by its own rank and with
+    ``partner_replay`` its neighbour), or 'rotate' (one rank's batch per round, by turns: replayed by that rank and by
+    its neighbour, with more opinions only when they disagree), so that a round costs one forward and backward
+    wherever it runs and a device that corrupts every step is met every ``world_size / 2`` rounds (its own batch,
+    or its neighbour's). A round a guard or a restore asks for checks every batch."""
+    replay_after_restore: bool = True
+    """Replay the first step after every restore (an in-process rollback, a resume), with partner, as torchtitan's
+    SDC replay does: a device that corrupts every step is named at once (a non-finite value it caused only rolls
+    back), and a restored state that does not reproduce is found before training builds on it."""
     partner_replay: bool = True
     """With more than one rank, each replay also recomputes a neighbour rank's batch (catches a faulty device)."""
     max_opinions: int = 5
@@ -87,6 +104,7 @@ class SDCConfig:
         if self.max_opinions < 3:
             raise ConfigError("sdc", "max_opinions", f"must be >= 3 (a vote needs three), got {self.max_opinions}")
         self.compare = as_enum(Compare, self.compare, "sdc", "compare")
+        self.replay_scope = as_enum(ReplayScope, self.replay_scope, "sdc", "replay_scope")
         for key in ("rtol", "atol"):
             if not getattr(self, key) >= 0:
                 raise ConfigError("sdc", key, f"must be >= 0, got {getattr(self, key)}")

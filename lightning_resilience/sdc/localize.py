@@ -1,6 +1,18 @@
 """Localisation by vote: several opinions about one computation (the original result, replays on the same rank,
 replays on other ranks, replica digests); the majority is taken as the truth and the ranks that disagree with it
 are named. A rank that disagrees only sometimes had a transient fault; one that always disagrees is faulty.
+
+The rule that names a culprit (SCOUT's): a rank is blamed only
+
+* by a strict majority of at least three equivalent devices against it (a **persistent** fault: every opinion of
+  the rank is outside the majority), or
+* by its own deterministic replay reproducing the reference another device computed, while its original result
+  does not (a **transient** fault: the rank is on both sides).
+
+With two devices whose opinions split one against one, nothing says which one is wrong: the verdict is
+*inconclusive* and names no rank (the state is still rejected: a stop or a rollback). A device counts once however
+many times it computed, so a faulty device reproducing its own wrong answer never outvotes a healthy one. With one
+process (one device), its opinions are counted instead: an original against two agreeing replays is transient.
 """
 
 from __future__ import annotations
@@ -39,16 +51,17 @@ class Ballot:
     persistent: list[int] = field(default_factory=list)
     """Ranks whose every opinion is outside the majority."""
     undecided_ranks: list[int] = field(default_factory=list)
-    """Ranks involved in a disagreement no majority settles."""
+    """Ranks involved in a disagreement no majority settles (never blamed: see the module's rule)."""
 
     @property
     def suspects(self) -> list[int]:
-        return sorted({*self.transient, *self.persistent, *self.undecided_ranks})
+        """The ranks the evidence names (none for an inconclusive vote)."""
+        return sorted({*self.transient, *self.persistent})
 
     @property
     def verdict(self) -> Diagnosis:
         if not self.decided:
-            return Diagnosis.UNRESOLVED
+            return Diagnosis.INCONCLUSIVE
         if self.persistent:
             return Diagnosis.PERSISTENT
         if self.transient:
@@ -84,6 +97,8 @@ def vote(opinions: Sequence[Opinion], equal: Callable[[torch.Tensor, torch.Tenso
     dissent = [i for i in range(len(opinions)) if i not in largest]
     in_majority = {opinions[i].rank for i in largest}
     out = {opinions[i].rank for i in dissent}
+    # the rule: a rank only outside the majority is named by at least three devices (two split one against one)
+    assert not (out - in_majority) or len(devices) == 1 or len(devices) >= 3
     return Ballot(
         decided=True,
         majority=list(largest),

@@ -142,6 +142,11 @@ class SDCMonitor:
         self._fired: list[GuardReport] = []
         """Guard reports (this rank's) that triggered this step's replay round."""
         self._guard_triggered = False
+        self._restore_check = False
+        """The state was just restored (a rollback, a resume): the next step is replayed (``replay_after_restore``)."""
+        self._restore_pending = False
+        self._scheduled_rounds = 0
+        """Scheduled replay rounds so far (whose batch a rotating round checks)."""
         self._late_triggered = False
         """A guard fired on some rank (agreed at the last step's end): the next step is replayed."""
         self.late = LateGuards(self.guards, self.reader, self.stats.guard_fired)
@@ -219,10 +224,11 @@ class SDCMonitor:
             self._unagreed = self.agreed(step, self.late.agree_now(self._group, step, self.late.read(step)))
         self._fired, self._next_fired = self._next_fired, []
         self._guard_triggered, self._late_triggered = self._late_triggered and not self.dirty, False
+        self._restore_check, self._restore_pending = self._restore_pending and not self.dirty, False
         if self._hook is not None:
             self._hook.reset()
             # digest buckets only when this step's gradients will be compared (with no lag a guard may ask at once)
-            replay = self._guard_triggered or self._due(self.config.replay_every_n_steps)
+            replay = self._guard_triggered or self._restore_check or self._due(self.config.replay_every_n_steps)
             self._hook.enabled = replay or (self.config.guards and self.reader.lag == 0)
 
     # ------------------------------------------------------------------ the step's agreement
@@ -293,7 +299,9 @@ class SDCMonitor:
             self.stats.guard_seconds += self._clock() - start
         if self._hook is not None:
             self.stats.fingerprint_seconds = self._hook.seconds
-        replay = not self.dirty and (self._guard_triggered or self._due(cfg.replay_every_n_steps))
+        replay = not self.dirty and (
+            self._guard_triggered or self._restore_check or self._due(cfg.replay_every_n_steps)
+        )
         if replay:
             start = self._clock()
             self._replay_round(out, self._guard_triggered)
@@ -360,9 +368,11 @@ class SDCMonitor:
 
     def _diverged(self, out: StepOutcome, ballot: Ballot, differing: list[str]) -> None:
         detail = f"replicas differ in {differing[:4]}"
+        verdict = Diagnosis.DIVERGED
         if not ballot.decided:
-            detail += "; two opinions and no majority: every replica is suspect"
-        self._record(out, SDCEvent(out.step, "reconcile", Diagnosis.DIVERGED, ballot.suspects, "rollback", detail))
+            verdict = Diagnosis.INCONCLUSIVE
+            detail += "; no strict majority of three or more equal replicas: no rank is named"
+        self._record(out, SDCEvent(out.step, "reconcile", verdict, ballot.suspects, "rollback", detail))
         self._fail(out, ballot.suspects)
 
     def _fail(self, out: StepOutcome, suspects: list[int]) -> None:
@@ -379,8 +389,12 @@ class SDCMonitor:
         return max(common) if common else None
 
     def meta(self, step: int) -> dict[str, Any]:
-        """Checkpoint metadata for ``step``: whether its state was verified clean."""
-        return {"sdc_verified": step in self.verified_steps and not (self.dirty and step > max(self.verified_steps))}
+        """Checkpoint metadata for ``step``: its verification state (:mod:`lightning_resilience.checkpoint.certify`):
+        'verified' when a clean check covered it, 'rejected' when an unfixed corruption was found since the last
+        one, else 'unverified'; and the older flag ``sdc_verified``."""
+        verified = step in self.verified_steps and not (self.dirty and step > max(self.verified_steps))
+        state = "verified" if verified else "rejected" if self.dirty and step > max(self.verified_steps) else None
+        return {"verification": state or "unverified", "sdc_verified": verified}
 
     # ------------------------------------------------------------ collectives
     def _gather(self, obj: Any) -> list[Any]:
@@ -410,9 +424,16 @@ class SDCMonitor:
         self._force_reconcile = False
         self.reader.clear()
 
+    def restored(self) -> None:
+        """The state was restored (a resume, a rollback; every rank alike): with ``replay_after_restore`` the first
+        step after it is replayed, with partner, so that a device that corrupts every step is named at once and a
+        restored state that does not reproduce is found before it is built on."""
+        self._restore_pending = self.config.replay_after_restore
+
     def rolled_back(self, step: int) -> None:
         """The state of ``step`` was restored in the running process (every rank alike): forget the later verdicts
         and verified steps and the guard values still on their way; events and baselines are kept."""
+        self.restored()
         self.dirty, self._force_reconcile, self._late_triggered = False, False, False
         self.late_nonfinite_step = self.late_spike_step = None
         self._next_fired = []

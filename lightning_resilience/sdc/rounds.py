@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_resilience.sdc.config import ReplayScope
 from lightning_resilience.sdc.fingerprint import group_rows
 from lightning_resilience.sdc.localize import Ballot, Opinion, next_device, vote
 from lightning_resilience.sdc.replay import map_tensors, rng_as
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
     from lightning_resilience.sdc.monitor import SDCMonitor, StepOutcome
 
 __all__ = ["ReplayRound"]
+
+_INCONCLUSIVE = "inconclusive: no majority of three devices, no replay that reproduces a reference; no rank named"
+_REPRODUCES = "a device reproduces a wrong result (what it contributed to the step is suspect)"
 
 
 class ReplayRound:
@@ -43,27 +47,39 @@ class ReplayRound:
             return None, groups
         return self.m._replayer.local_digests(), groups
 
+    def _checked(self, scheduled: bool) -> list[int]:
+        """The batches (by rank) this round checks: one by turns for a scheduled round with ``replay_scope=rotate``,
+        else every rank's. The same on every rank (rounds are collective, counted alike)."""
+        world = self.m.world_size
+        if not scheduled or world == 1 or self.m.config.replay_scope != ReplayScope.rotate:
+            return list(range(world))
+        turn = self.m._scheduled_rounds % world
+        self.m._scheduled_rounds += 1
+        return [turn]
+
     def run(self, out: StepOutcome, guard_fired: bool) -> None:
         """Replay the step (and with partner replay a neighbour's), vote per batch, record and act."""
         assert self.m._replayer is not None and self.m._rng is not None
         cfg, world, rank = self.m.config, self.m.world_size, self.m.rank
         self.m.stats.replay_rounds += 1
         self.m._step_checked = True
+        checked = self._checked(scheduled=not guard_fired and not self.m._restore_check)
         original, groups = self._originals()
         partner = world > 1 and cfg.partner_replay
         inputs: list[Any] = [None] * world
         if partner:  # the batches travel on the host (one read of this rank's batch, on a replay step only)
-            inputs = self.m._gather((map_tensors(self.m._batch, lambda t: t.detach().cpu()), self.m._rng))
+            mine_in = (map_tensors(self.m._batch, lambda t: t.detach().cpu()), self.m._rng) if rank in checked else None
+            inputs = self.m._gather(mine_in)
         inputs[rank] = (self.m._batch, self.m._rng)
         originals = self.m._gather(original)
-        opinions: dict[int, list[Opinion]] = {b: [] for b in range(world)}
-        raw: dict[int, list[torch.Tensor | None]] = {b: [] for b in range(world)}  # per-parameter digests
+        opinions: dict[int, list[Opinion]] = {b: [] for b in checked}
+        raw: dict[int, list[torch.Tensor | None]] = {b: [] for b in checked}  # per-parameter digests
         for b, o in enumerate(originals):
-            if o is not None:
+            if o is not None and b in opinions:
                 opinions[b].append(Opinion(b, "original", o))
                 raw[b].append(None)
         own_grads: list[tuple[torch.Tensor, list[torch.Tensor | None]]] = []
-        plan = {b: [b] + ([(b + 1) % world] if partner else []) for b in range(world)}
+        plan = {b: [b] + ([(b + 1) % world] if partner else []) for b in checked}
         ballots: dict[int, Ballot] = {}
         while plan:
             mine: dict[int, torch.Tensor] = {}
@@ -83,7 +99,7 @@ class ReplayRound:
                     raw[b].append(digests)
                     opinions[b].append(Opinion(device, "replay", group_rows(self.m.digest, digests, groups)))
             plan = {}
-            for b in range(world):
+            for b in checked:
                 ballots[b] = vote(opinions[b], self.m.digest.equal)
                 if ballots[b].decided or len(opinions[b]) >= cfg.max_opinions:
                     continue
@@ -108,24 +124,28 @@ class ReplayRound:
                 return
         fired = [f"{f}@{r.step + 1}" for r in self.m._fired for f in r.fired] if guard_fired else []
         mechanism = "replay" + (f" (guard: {','.join(fired)})" if fired else "")
+        mechanism += " (first step after a restore)" if self.m._restore_check else ""
         corrupt_original: list[int] = []
         unfixable: list[int] = []
         for b, ballot in ballots.items():
             ops = opinions[b]
             original_bad = ballot.decided and any(ops[i].kind == "original" for i in ballot.dissent)
+            has_original = any(op.kind == "original" for op in ops)
             if ballot.verdict is Diagnosis.CLEAN:
                 continue
             if original_bad and b in ballot.transient:
                 corrupt_original.append(b)
                 action, detail = "recomputed", f"rank {b}'s gradients differ from its replay and the vote"
-            elif not original_bad and ballot.decided:
+            elif ballot.decided and has_original and not original_bad:
                 action = "none"
                 detail = f"a replay of rank {b}'s batch was wrong; the step itself was right"
+            elif ballot.decided and not ballot.persistent:
+                action = "none"
+                detail = f"a replay of rank {b}'s batch glitched once (its original result was not digested)"
             else:
                 unfixable.append(b)
                 action = "rollback"
-                detail = f"rank {b}'s batch: " + ("no majority among the replays" if not ballot.decided else
-                                                  "a device reproduces a wrong result")  # fmt: skip
+                detail = f"rank {b}'s batch: " + (_INCONCLUSIVE if not ballot.decided else _REPRODUCES)
             self.m._record(out, SDCEvent(out.step, mechanism, ballot.verdict, ballot.suspects, action, detail))
         if guard_fired and not out.events:
             if self.m.reader.lag > 0:
@@ -174,6 +194,8 @@ class ReplayRound:
         new, groups = self.m._hook.collected(), [[i] for i in range(len(self.m.params))]
         ok = True
         for b, digest in enumerate(self.m._gather(new)):
+            if b not in ballots:  # a batch this round did not check
+                continue
             agreed = [d for d in (raw[b][i] for i in ballots[b].majority) if d is not None]
             ok = ok and bool(agreed) and self.m.digest.equal(group_rows(self.m.digest, agreed[0], groups), digest)
         if ok:

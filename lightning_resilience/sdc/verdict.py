@@ -27,8 +27,12 @@ class Diagnosis(str, Enum):
     """A rank reproduces a result that other ranks do not: a faulty device."""
     DIVERGED = "diverged"
     """Replicas hold different parameters or optimizer state after the optimizer step."""
-    UNRESOLVED = "unresolved"
-    """Opinions disagree and no majority names a rank (e.g. two replicas, nothing to break the tie)."""
+    INCONCLUSIVE = "inconclusive"
+    """Opinions disagree and the evidence names no rank: no strict majority of at least three equivalent replicas,
+    and no deterministic self-replay that reproduces the reference (e.g. two replicas). The state is still rejected
+    (stop or roll back), but no rank is blamed."""
+    UNRESOLVED = "inconclusive"
+    """Former name of :attr:`INCONCLUSIVE`."""
 
 
 @dataclass

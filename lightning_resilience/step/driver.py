@@ -11,8 +11,8 @@ latency. At the end of the step (:meth:`StepDriver.end_step`):
    verdicts, which are the same on every rank;
 3. **decide and act** — the policy turns the agreed verdicts into one decision; an in-process rollback is carried
    out by the :class:`Actor` (the Lightning adapter), before anything is captured;
-4. **snapshot** — each :class:`Snapshotter` captures the step, unless the state was just replaced or is known
-   suspect (a :class:`StateWitness` says so);
+4. **snapshot** — each :class:`Snapshotter` captures the step (after an in-process rollback: the restored state,
+   at its step), unless the job stops or the state is known suspect (a :class:`StateWitness` says so);
 5. **stop** — a stopping decision is carried out (persist now, emergency save of the snapshot just taken, or
    nothing for a corrupt state);
 6. **bookkeeping** — each :class:`Bookkeeper` records the step (ledger, heartbeats, idle timers).
@@ -248,7 +248,9 @@ class StepDriver:
         replaced = False
         if decision is not None and decision.action is Action.ROLLBACK_IN_PROCESS and self.decision is None:
             escalated = actor.rollback(decision)
-            replaced = escalated is None or escalated.action is not Action.ROLLBACK
+            # training goes on from the restored state: captured below, so that a fault that comes back at once
+            # finds it in RAM; an escalation persists it (restored) or leaves it (not restored) and stops
+            replaced = escalated is not None and escalated.action is not Action.ROLLBACK
             decision = escalated or decision
         now = self._bill("act", now)
         corrupt = decision is not None and decision.action is Action.ROLLBACK

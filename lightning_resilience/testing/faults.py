@@ -14,7 +14,9 @@ reaches a given step of a given operation, and the places that can fail consult 
 An operation name may be a glob (``tier.*.write``). Actions: ``raise`` (an :class:`InjectedFault`, an
 ``OSError``: a disk or network fault), ``error`` (an :class:`InjectedError`, a ``RuntimeError``: a bug), ``hang``
 (block until :meth:`FaultPlan.release` or ``hang_limit``; the rank is alive but never arrives), ``delay`` (sleep
-``seconds``: a slow disk or peer), ``exit`` (``os._exit(code)``: the rank dies, for drills).
+``seconds``: a slow disk or peer), ``exit`` (``os._exit(code)``: the rank dies, for drills), ``stale`` (a tier's
+``write`` commits the tensors of the previous step it wrote under the new step's name and metadata, and succeeds:
+the silent save bug of an async checkpointer whose staging buffers were not refreshed).
 
 A drill in a subprocess arms a plan from the environment: ``LR_FAULTS='[{"rank": 1, "step": 8, "operation":
 "tier.local.write", "action": "raise"}]'`` and, in the script, ``plan = arm_from_env()`` then
@@ -51,7 +53,7 @@ __all__ = [
 ]
 
 ENV = "LR_FAULTS"
-ACTIONS = ("raise", "error", "hang", "delay", "exit")
+ACTIONS = ("raise", "error", "hang", "delay", "exit", "stale")
 T = TypeVar("T")
 
 
@@ -161,8 +163,9 @@ class FaultPlan:
         return self
 
     # ------------------------------------------------------------------ firing
-    def check(self, operation: str, rank: int | None = None, step: int | None = None) -> None:
-        """Fire the first fault that matches this call (if any has calls left)."""
+    def check(self, operation: str, rank: int | None = None, step: int | None = None) -> str | None:
+        """Fire the first fault that matches this call (if any has calls left); returns the action of a fault the
+        caller carries out itself (``stale``), else None."""
         me = _current_rank() if rank is None else rank
         with self._lock:
             fault = None
@@ -173,7 +176,7 @@ class FaultPlan:
                     fault = candidate
                     break
             if fault is None:
-                return
+                return None
             self.fired.append(Fired(operation, me, step, fault.action))
         what = f"injected {fault.action} at {operation} (rank {me}, step {step})"
         if fault.action == "raise":
@@ -188,6 +191,9 @@ class FaultPlan:
                 raise InjectedFault(f"{what}: never released within {self.hang_limit}")
         elif fault.action == "exit":
             os._exit(fault.code)
+        elif fault.action == "stale":
+            return fault.action
+        return None
 
     def release(self) -> None:
         """Unblock every ``hang`` (now and later)."""
@@ -218,8 +224,26 @@ class FaultPlan:
         def no_step(*_: Any, **__: Any) -> None:
             return None
 
-        wrap("write", "write", snapshot_step)
-        wrap("write_local", "write", snapshot_step)
+        written: list[Any] = []  # the last snapshot this tier wrote (a copy), for a stale write
+
+        def write(method: str) -> None:
+            original = getattr(tier, method, None)
+            if original is None:
+                return
+
+            def call(snap: Any, *args: Any, **kwargs: Any) -> Any:
+                action = self.check(f"tier.{name}.write", step=snapshot_step(snap))
+                if action == "stale" and written:
+                    stale = written[-1]
+                    snap = type(snap)(snap.step, stale.skeleton, stale.tensors, dict(snap.meta))
+                elif any(f.action == "stale" for f in self.faults):
+                    written[:] = [snap.clone()]
+                return original(snap, *args, **kwargs)
+
+            setattr(tier, method, call)
+
+        write("write")
+        write("write_local")
         wrap("read", "read", first_step)
         wrap("delete", "delete", first_step)
         wrap("take", "take", first_step)
@@ -231,7 +255,11 @@ class FaultPlan:
     @contextlib.contextmanager
     def armed(self) -> Iterator[FaultPlan]:
         """While inside: side-group operations and the internal fault points of the plan's faults consult it."""
-        previous = collective.set_fault_hook(lambda op, rank, step: self.check(op, rank, step))
+
+        def hook(op: str, rank: int, step: int | None) -> None:
+            self.check(op, rank, step)
+
+        previous = collective.set_fault_hook(hook)
         restore: list[tuple[Any, str, Any]] = []
         try:
             for operation, (module_name, attr, step_of) in POINTS.items():

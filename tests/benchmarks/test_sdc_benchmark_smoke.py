@@ -11,32 +11,43 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.sdc_coverage import render_markdown, wilson
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def test_wilson_interval() -> None:
+    assert wilson(0, 0) is None
+    lo, hi = wilson(20, 20) or (0.0, 0.0)
+    assert 0.83 < lo < 0.84 and hi == 1.0  # 20 of 20: the interval still admits 16% misses
+    lo, hi = wilson(10, 20) or (0.0, 0.0)
+    assert lo < 0.5 < hi
+
+
 @pytest.mark.timeout(600)
-def test_sdc_benchmark_quick_run_writes_coverage(tmp_path: Path) -> None:
-    """Every tried cell's outcomes add up, a persistent state flip is caught at the reconciliation, the overhead is
-    measured, and the section renders."""
+def test_sdc_benchmark_quick_run_reports_kinds_of_fault_apart(tmp_path: Path) -> None:
+    """Every cell's outcomes add up, a persistent state flip is caught at the reconciliation, a faulty device is
+    named after the rollback its non-finite values ask for, a stale save is refused, the overhead is measured
+    against the plain arm, and the section renders."""
     out = tmp_path / "sdc.json"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable, "-m", "benchmarks.sdc_coverage", "--quick", "--preset", "default", "--locations", "param",
-        "optim", "--faulty-trials", "1", "--out", str(out), "--tmpdir", str(tmp_path),
+        "--faulty", "exponent_every_step", "--out", str(out), "--tmpdir", str(tmp_path), "--allow-loaded",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=560)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     preset = result["presets"]["default"]
-    assert preset["config"]["guard_read_lag"] == 1 and preset["trial_steps"] == 2 * preset["window_steps"]
+    assert preset["config"]["guard_read_lag"] == 1 and preset["config"]["ddp_fingerprint"] is False
     cells = preset["cells"]
-    assert len(cells) == 9  # 2 locations x 4 bit classes + the faulty device
+    assert set(cells) == {"param/one_bit", "param/burst3", "param/strided4", "faulty/exponent_every_step"}
     for cell in cells.values():
         assert cell["caught"] + cell["flagged"] + cell["missed"] + cell["no_effect"] == cell["trials"] == 1
-    # a sign flip in stored state persists until the reconciliation, which names the rank
-    for key in ("param/sign", "optim/sign"):
-        assert cells[key]["caught"] == 1, (key, cells[key])
+    assert set(preset["kinds"]) == {"persistent", "faulty_device"}
     assert preset["clean_run_events"] == []
-    assert preset["overhead"]["steps_each"] > 0 and isinstance(preset["overhead"]["slowdown_mean"], float)
+    overhead = preset["overhead"]
+    assert overhead["steps_each"] > 0 and len(overhead["samples_s"]["plain"]) == overhead["steps_each"]
+    assert result["stale_saves"]["refused"] == result["stale_saves"]["trials"] == 2
     assert {t["verdict"] for t in result["targets"]} <= {"PASS", "MISS"}
-    assert "Preset `default`" in proc.stdout
+    assert "Preset `default`" in proc.stdout and "kind of fault" in render_markdown(result)

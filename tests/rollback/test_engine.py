@@ -3,6 +3,7 @@ the quarantine file, the config's validation, and the policy's reduction of the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -49,6 +50,19 @@ def test_the_cap_counts_rollbacks_within_the_window_only() -> None:
     assert plan.escalate and plan.target == 90 and "max_rollbacks=2" in plan.reason
     assert not governor.plan(140, 142, [140]).escalate  # step 10 left the window
     assert RollbackGovernor(RollbackConfig(max_rollbacks=0)).plan(3, 5, [3]).escalate
+
+
+def test_at_the_cap_a_fault_that_came_back_at_its_step_with_other_batches_is_told_from_data() -> None:
+    governor = RollbackGovernor(RollbackConfig(max_rollbacks=2))
+    for _ in range(2):  # the same bad step twice, each time with its batch left out
+        governor.record(dataclasses.replace(_record(46, 46), skipped={"1": [7]}))
+    assert governor.plan(46, 48, [46]).recurs  # not the data: a restart elsewhere can help
+    assert not governor.plan(47, 49, [47]).recurs  # another step
+    kept = RollbackGovernor(RollbackConfig(max_rollbacks=2))
+    for _ in range(2):  # the batch was trained on again each time: the data is not ruled out
+        kept.record(_record(46, 46))
+    assert kept.plan(46, 48, [46]).escalate and not kept.plan(46, 48, [46]).recurs
+    assert not RollbackGovernor(RollbackConfig(max_rollbacks=0)).plan(3, 5, [3]).recurs  # no rollback to judge
 
 
 def test_a_bad_step_after_its_detection_is_an_error() -> None:

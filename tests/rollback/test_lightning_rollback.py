@@ -105,3 +105,64 @@ def test_spikes_roll_back_when_opted_in(tmp_path: Path) -> None:
     [record] = read_quarantine(tmp_path / "quarantine.jsonl")
     assert (record["cause"], record["bad_step"], record["target"]) == ("spike", 12, 12)
     assert 12 * BATCH + 4 in record["skipped"]["0"]
+
+
+class _FaultAtStep(Regressor):
+    """A fault tied to a step, as a flaky device at a deterministic kernel: the loss of step ``step`` is NaN each
+    of the first ``times`` times that step runs, whatever its batch."""
+
+    def __init__(self, step: int, times: int) -> None:
+        super().__init__()
+        self.step, self.times, self.runs = step, times, 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_step == self.step and self.runs < self.times:
+            self.runs += 1
+            return loss * float("nan")
+        return loss
+
+
+def _fit_fault(run: Path, times: int, policy: ResiliencePolicy | None = None,
+               sampler: Any = None) -> tuple[Trainer, _FaultAtStep]:  # fmt: skip
+    seed_everything(5)
+    loader = DataLoader(_Many([]), batch_size=BATCH, sampler=sampler)
+    callbacks: list[Any] = [TieredCheckpoint([MemoryTier(every_n_steps=1, keep=2),
+                                              LocalTier(run / "ckpt", every_n_steps=100, keep=2)], resume="never"),
+                            SDCVerification(SDCConfig(run_dir=str(run), replay_every_n_steps=0))]  # fmt: skip
+    if policy is not None:
+        callbacks.append(policy)
+    model = _FaultAtStep(6, times)
+    trainer = Trainer(max_steps=14, accelerator="cpu", devices=1, callbacks=callbacks, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(run))  # fmt: skip
+    trainer.fit(model, loader)
+    return trainer, model
+
+
+def test_a_fault_that_recurs_at_the_restored_step_is_rolled_back_again(tmp_path: Path) -> None:
+    trainer, model = _fit_fault(tmp_path, times=2)
+    assert model.runs == 2 and trainer.global_step == 14 and all(torch.isfinite(p).all() for p in model.parameters())
+    first, second = read_quarantine(tmp_path / "quarantine.jsonl")
+    # the second fault comes at the rerun of step 6, which the first rollback restored: still in RAM
+    assert [(r["bad_step"], r["target"], r["escalated"]) for r in (first, second)] == [(6, 6, False), (6, 6, False)]
+    assert (first["skipped"], second["skipped"]) == ({"0": list(range(48, 56))}, {"0": list(range(56, 64))})
+    assert Suite.of(trainer).exit_code is ExitCode.OK
+    # the state kept after the first rollback is the restored one, quarantine included: the run equals one whose
+    # loader never lists either batch
+    without = [i for i in range(400) if i // BATCH not in (6, 7)]
+    _, reference = _fit_fault(tmp_path / "reference", times=0, sampler=without)
+    for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_past_the_cap_a_fault_tied_to_its_step_stops_for_a_restart_elsewhere_and_says_so(tmp_path: Path) -> None:
+    policy = ResiliencePolicy(PolicyConfig(rollback=RollbackConfig(max_rollbacks=2)))
+    with pytest.raises(DecidedExit) as ended:
+        _fit_fault(tmp_path, times=10**6, policy=policy)
+    records = read_quarantine(tmp_path / "quarantine.jsonl")
+    assert [(r["bad_step"], r["escalated"]) for r in records] == [(6, False), (6, False), (6, True)]
+    # the message and the exit code agree: the same step failed with three batches, a restart elsewhere can help
+    code = ended.value.exit_code
+    assert code is ExitCode.SDC and f"exit code {int(code)} (SDC)" in records[-1]["detail"]
+    assert "came back at step 6" in records[-1]["detail"]
+    assert LocalTier(tmp_path / "ckpt", every_n_steps=100, keep=2).list_steps() == [6]  # the good state persisted

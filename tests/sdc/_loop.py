@@ -38,6 +38,7 @@ def train(
     ddp: bool = False,
     plan: Sequence[FlipSpec] = (),
     faulty_every_k: int = 0,
+    faulty_bit_class: str = "exponent",
     seed: int = 0,
 ) -> tuple[dict[str, torch.Tensor], list[StepOutcome], SDCMonitor | None]:
     """Train ``steps`` steps; returns final weights, per-step outcomes (with verification) and the monitor."""
@@ -55,7 +56,8 @@ def train(
         )
     injector = BitFlipInjector(model, [opt], rank=rank)
     if faulty_every_k:
-        injector.faulty_device("grad", faulty_every_k, bit_class="exponent", target="blocks.0.mlp.fc.weight")
+        injector.faulty_device("grad", faulty_every_k, bit_class=faulty_bit_class,  # type: ignore[arg-type]
+                               target="blocks.0.mlp.fc.weight")  # fmt: skip
     outcomes: list[StepOutcome] = []
     for step, batch in enumerate(data):
         injector.on_step(step, [s for s in plan if s.location in ("grad", "activation", "param", "optim")])

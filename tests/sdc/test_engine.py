@@ -85,7 +85,7 @@ def test_vote_names_transient_persistent_and_ties() -> None:
     assert transient.verdict is Diagnosis.TRANSIENT and transient.suspects == [1]
     # a device reproducing its own wrong answer counts once: a tie between two devices, then a third decides
     tie = [_op(1, "original", 9), _op(1, "replay", 9), _op(2, "replay", 1)]
-    assert vote(tie, eq).verdict is Diagnosis.UNRESOLVED
+    assert vote(tie, eq).verdict is Diagnosis.INCONCLUSIVE and vote(tie, eq).suspects == []  # nobody blamed
     assert next_device(1, tie, 3, others=True) == 0
     persistent = vote([*tie, _op(0, "replay", 1)], eq)
     assert persistent.verdict is Diagnosis.PERSISTENT and persistent.suspects == [1]

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from lightning_resilience.checkpoint.content import without_print
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.format import (
     MANIFEST,
@@ -254,7 +255,8 @@ def restore_resharded(
         )
     snap = load_resharded(plan, identity.rank, verify_checksums=verify_checksums)
     state = unflatten_state(snap.skeleton, snap.tensors, rebuild_dtensor=rebuild_dtensor or _local_slice_as_tensor)
-    return Resharded(step, state, snap.meta, plan.old_world_size, plan.source_rank(identity.rank))
+    # the content print describes the source rank's shard, not the resharded tensors: it is not handed on
+    return Resharded(step, state, without_print(snap.meta), plan.old_world_size, plan.source_rank(identity.rank))
 
 
 def reshardable_steps(tier_root: str | Path, world_size: int) -> list[int]:

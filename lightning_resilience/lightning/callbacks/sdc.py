@@ -63,6 +63,8 @@ class SDCVerification(Callback):
         """Set when the fit was stopped for corrupt state: the newest committed step verified clean (None with
         ``stopped`` True: no verified checkpoint, start again from scratch)."""
         self.stopped = False
+        self.rejected_steps: list[int] = []
+        """Committed steps this rank rejected after a verdict (their state was found corrupt or unverifiable)."""
         self._batch_idx = 0
         self._handles: list[Any] = []
         self._suite: Suite | None = None
@@ -145,6 +147,8 @@ class SDCVerification(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         assert self.monitor is not None
         self.monitor.verified_steps.add(trainer.global_step)  # the start (fresh or a chosen resume) is trusted
+        if trainer.global_step > 0:  # a resume: its first step is replayed (sdc.replay_after_restore)
+            self.monitor.restored()
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -207,7 +211,10 @@ class SDCVerification(Callback):
         # the verdict is the same on every rank (computed from gathered data): so is everything below
         self.rollback_step = self.monitor.rollback_target(self._committed_steps())
         diagnoses = {e.verdict for e in outcome.events}
-        unfixable_device = bool(diagnoses & {Diagnosis.PERSISTENT, Diagnosis.UNRESOLVED})
+        # the evidence reaches back to the last clean check: every later step is rejected, on every rank and tier
+        self._reject(max(self.monitor.verified_steps), f"SDC at step {outcome.step}: "
+                     f"{', '.join(sorted(d.value for d in diagnoses))}, suspects {outcome.suspects}")  # fmt: skip
+        unfixable_device = bool(diagnoses & {Diagnosis.PERSISTENT, Diagnosis.INCONCLUSIVE})
         detail = (
             f"{', '.join(sorted(d.value for d in diagnoses))} at step {outcome.step}, suspects {outcome.suspects}; "
             f"restart from verified step {self.rollback_step}"
@@ -233,9 +240,16 @@ class SDCVerification(Callback):
         assert self.monitor is not None
         self.stopped = True
         self.rollback_step = next((v.verified_step for v in decision.verdicts if v.source == "sdc"), None)
+        bad = self.monitor.late_nonfinite_step
+        self._reject(bad if bad is not None else step - 1, f"non-finite update at step {bad}, agreed at step {step}")
         if self._trainer is not None:
             late = [e for e in self.monitor.events if e.mechanism == "guard:nonfinite"][-1:]
             self._write_verdict(self._trainer, StepOutcome(step, late, needs_rollback=True), stop=True)
+
+    def _reject(self, newest_good: int, reason: str) -> None:
+        store = self._suite.store if self._suite is not None else None
+        if store is not None:
+            self.rejected_steps = sorted({*self.rejected_steps, *store.reject_after(newest_good, reason)})
 
     def _committed_steps(self) -> list[int]:
         store = self._suite.store if self._suite is not None else None
@@ -300,6 +314,7 @@ class SDCVerification(Callback):
             },
             "suspects": {str(k): v for k, v in self.monitor.suspects.items()},
             "newest_verified_step": max(self.monitor.verified_steps),
+            "rejected_steps": list(self.rejected_steps),
             "stopped": self.stopped,
             "rollback_step": self.rollback_step,
             "events": [e.to_json() for e in self.monitor.events],
@@ -317,6 +332,8 @@ class SDCVerification(Callback):
         ]
         for e in self.monitor.events:
             lines.append(f"  step {e.step}: {e.verdict.value} by {e.mechanism}, suspects {e.suspects}, {e.action}")
+        if self.rejected_steps:
+            lines.append(f"  rejected checkpoint steps {self.rejected_steps} in every tier")
         if self.stopped:
             lines.append(f"  stopped: restart from verified step {self.rollback_step}")
         return "\n".join(lines)

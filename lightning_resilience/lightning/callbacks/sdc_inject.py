@@ -27,6 +27,10 @@ class BitFlipInjection(Callback):
         faulty_every_k: corrupt every k-th result.
         faulty_bit_class: which bits the faulty device flips.
         faulty_target: the parameter (grad) or module (activation) name; None: chosen from the seed.
+        faulty_rate: probability that each of those results is corrupted (1: every one; a flaky device below).
+        faulty_bits: adjacent bits flipped in each corrupted element (a multi-bit burst).
+        faulty_elements: elements corrupted per result, ``faulty_stride`` apart.
+        faulty_stride: distance between two corrupted elements.
     """
 
     def __init__(
@@ -38,10 +42,18 @@ class BitFlipInjection(Callback):
         faulty_every_k: int = 1,
         faulty_bit_class: BitClass = "exponent",
         faulty_target: str | None = None,
+        faulty_rate: float = 1.0,
+        faulty_bits: int = 1,
+        faulty_elements: int = 1,
+        faulty_stride: int = 1,
     ) -> None:
+        if not 0.0 < faulty_rate <= 1.0:
+            raise ValueError(f"inject.faulty_rate must be in (0, 1], got {faulty_rate}")
         self.plan = list(plan)
         self.faulty_rank = faulty_rank
         self.faulty = (faulty_location, faulty_every_k, faulty_bit_class, faulty_target)
+        self.faulty_rate = faulty_rate
+        self.faulty_shape = {"bits": faulty_bits, "elements": faulty_elements, "stride": faulty_stride}
         self.injector: BitFlipInjector | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -58,7 +70,8 @@ class BitFlipInjection(Callback):
         self.injector = BitFlipInjector(pl_module, list(trainer.optimizers), rank=trainer.global_rank)
         if self.faulty_rank == trainer.global_rank:
             location, every_k, bit_class, target = self.faulty
-            self.injector.faulty_device(location, every_k, bit_class=bit_class, target=target)
+            self.injector.faulty_device(location, every_k, bit_class=bit_class, target=target, rate=self.faulty_rate,
+                                        **self.faulty_shape)  # fmt: skip
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

@@ -227,7 +227,7 @@ class TieredCheckpoint(Checkpoint):
         assert self.manager is not None
         step = trainer.global_step
         if step == self._last_step:
-            return  # already captured (a rollback restored this step)
+            return  # already captured
         self._last_step = step
         taken = self.manager.on_step(
             step,
@@ -278,6 +278,10 @@ class TieredCheckpoint(Checkpoint):
         assert self.manager is not None
         self.manager.add_meta_provider(provider)
 
+    def reject_after(self, step: int, reason: str) -> list[int]:
+        assert self.manager is not None
+        return self.manager.reject(step, reason)
+
     def report_section(self, blocking_timeline: list[tuple[int, float]]) -> dict[str, Any]:
         """The checkpoint section of the end-of-run report (``blocking_timeline``: (step, seconds blocked))."""
         from lightning_resilience.report import checkpoint_section  # imported when needed: not on a restart's path
@@ -306,7 +310,7 @@ class TieredCheckpoint(Checkpoint):
         if self._pending_rng is not None:
             restore_rng_states(self._pending_rng)
             self._pending_rng = None
-        self._last_step = restored.step
+        self._last_step = -1  # RAM handed the step over: the step driver captures the restored state again
         self.rollbacks += 1
         return self._data.rewind(trainer, skip_ahead)
 
