@@ -130,7 +130,9 @@ class RunDir:
 
     def holds_records(self) -> bool:
         """Whether the suite or the launcher left records here."""
-        return self.ledger.is_file() or self.launch().root.is_dir() or self.faults.is_dir()
+        return (
+            self.ledger.is_file() or self.launch().root.is_dir() or self.faults.is_dir() or self.quarantine().is_file()
+        )
 
     # ------------------------------------------------------------------ the workers' files
     @property

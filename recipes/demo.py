@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from lightning_resilience.ft.ettr import describe_restart
+from lightning_resilience.ft.restart_cost import describe_restart
 from lightning_resilience.launch.records import AttemptRecord, read_records
 
 RUN_DIR = Path(os.environ.get("DEMO_RUN_DIR", "runs/demo"))

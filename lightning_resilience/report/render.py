@@ -13,7 +13,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from lightning_resilience.ft.ettr import describe_restart
+from lightning_resilience.ft.restart_cost import describe_restart
 from lightning_resilience.report.model import ResilienceReport, finite
 
 __all__ = ["format_bytes", "render_table"]

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_resilience.ft.ettr import LEDGER_FILE, EttrLedger, account, describe_restart, process_started_at
+from lightning_resilience.ft.ettr import LEDGER_FILE, EttrLedger, account
 from lightning_resilience.ft.restart import FaultNote, atomic_write_json, current_attempt, write_fault_note
+from lightning_resilience.ft.restart_cost import describe_restart, process_started_at
 
 
 class WallClock:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -16,11 +15,12 @@ from typing_extensions import override
 from lightning_resilience.checkpoint.stats import CheckpointStats
 from lightning_resilience.exit_codes import DecidedExit
 from lightning_resilience.ft.config import FaultToleranceConfig
-from lightning_resilience.ft.ettr import EttrLedger, EttrReport, describe_restart, failure_history, process_started_at
+from lightning_resilience.ft.ettr import EttrLedger, EttrReport, failure_history
 from lightning_resilience.ft.heartbeat import RankMonitorBridge, connect_rank_monitor
 from lightning_resilience.ft.preemption import PreemptionNotice
 from lightning_resilience.ft.rendezvous import prepare_restarts, restart_hazard
 from lightning_resilience.ft.restart import Attempt, FaultNote, current_attempt, write_fault_note
+from lightning_resilience.ft.restart_cost import process_started_at
 from lightning_resilience.ft.watchdog import OUT_OF_SECTION, Hang, HangHandler, TimeoutCalibrator, Watchdog
 from lightning_resilience.lightning._metrics import log_host_metrics, logging_step
 from lightning_resilience.lightning.coordination import Suite
@@ -43,11 +43,10 @@ class FaultTolerance(Callback):
       hang the rank dumps all its threads' stacks to ``<run_dir>/stacks/`` and, when the policy says
       ``hang: dump_and_exit`` (the default) and ``exit_on_hang`` is on, exits with ``ExitCode.HANG``.
     * Under NVRx's ``ft_launcher`` the same sections and a heartbeat per step go to its rank monitor too.
-    * A preemption signal on any rank is agreed by every rank at one step boundary and posted to the suite's
-      policy: by default (``preemption: emergency_save_and_exit``) the newest state is saved by
-      :class:`TieredCheckpoint`, the fit stops, and the process ends with ``ExitCode.PREEMPTED``.
-    * Rank 0 keeps a ledger of attempts and faults in ``<run_dir>/ft_ledger.json`` (ETTR, restart gaps,
-      recomputation, checkpoint blocking).
+    * A preemption signal on any rank travels in the next step's agreement and stops every rank at its end: by
+      default (``preemption: emergency_save_and_exit``) the newest state is saved and the process ends with
+      ``ExitCode.PREEMPTED``.
+    * Rank 0 keeps a ledger of attempts and faults in ``<run_dir>/ft_ledger.json`` (ETTR, restarts, recomputation).
 
     The order of the callbacks does not matter, and no user code is needed to exit with the code::
 
@@ -441,14 +440,5 @@ class FaultTolerance(Callback):
             lines.append(f"  preempted after step {self.preempted_at}; emergency save of step {self.emergency_saved}")
         report = self.ettr()
         if report is not None:
-            ettr = f"{report.ettr:.3f}" if report.ettr is not None else "n/a"
-            lines += [
-                f"  ETTR {ettr} over {report.wall_s:.1f}s wall: productive {report.productive_s:.1f}s, "
-                f"startup {report.startup_s:.1f}s, restart gaps {report.restart_gap_s:.1f}s "
-                f"(detection {report.detection_s:.1f}s), recomputation {report.recompute_s:.1f}s "
-                f"({report.recomputed_steps} steps), checkpoint blocking {report.checkpoint_blocking_s:.2f}s",
-                f"  {report.attempts} attempts, {report.restarts} restarts"
-                + (f": causes {', '.join(report.causes)}" if report.causes else ""),
-            ]
-            lines += [f"  restart {c.attempt}: {describe_restart(asdict(c))}" for c in report.restart_costs]
+            lines += [f"  {line}" for line in report.describe()]
         return "\n".join(lines)
