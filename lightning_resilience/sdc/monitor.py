@@ -1,18 +1,12 @@
 """SDCMonitor: the per-step driver of SDC verification. Framework-free: a training loop (or a Lightning callback)
 tells it where a step begins, what the loss was, and when the optimizer is about to step and has stepped.
 
-Per step: guards (always on, local, cheap; their values reach the host without stalling the device, by default one
-step late) -> a few flags in the step's one agreement (:meth:`SDCMonitor.contribute` / :meth:`SDCMonitor.agreed`,
-carried by a step driver; a loop without one agrees at :meth:`SDCMonitor.begin_step`). At the replay cadence, or
-when a guard fired on any rank (known at the end of the step it was read in, so the next step is replayed):
-a replay round (self replay, partner replay of a neighbour's batch, more opinions until a vote
-decides) compares local pre-all-reduce gradients. A corrupt gradient caught this way is recomputed before the
-optimizer step. After the step, at its own cadence: cross-replica reconciliation of parameter and optimizer-state
-digests. A corruption that cannot be fixed in place marks the run dirty and asks for a rollback to the newest step
-verified clean. Every decision is computed by every rank from the same gathered data.
-
-No device value is read on an ordinary step: digests are taken only on the steps a replay or reconciliation checks,
-stay on the device, and reach the host in one read per check.
+Per step: guards (local, cheap, read late) -> a few flags in the step's one agreement (:meth:`SDCMonitor.contribute`
+/ :meth:`SDCMonitor.agreed`; a loop without a step driver agrees at :meth:`SDCMonitor.begin_step`). At the replay
+cadence, or when a guard fired on any rank: a replay round compares local pre-all-reduce gradients (a corrupt one is
+recomputed before the optimizer step). After the step, at its own cadence: cross-replica reconciliation of state
+digests. A corruption that cannot be fixed in place asks for a rollback to the newest step verified clean. Every
+decision is computed by every rank from the same gathered data; no device value is read on an ordinary step.
 """
 
 from __future__ import annotations
