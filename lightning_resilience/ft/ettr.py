@@ -187,8 +187,7 @@ def describe_restart(cost: Mapping[str, Any]) -> str:
 
 
 def process_started_at(pid: int | str = "self") -> float | None:
-    """Wall-clock time (time.time) when a process started, from /proc (Linux); None elsewhere. Measured against the
-    time since boot (``/proc/uptime``), not the boot time (``btime``: whole seconds, up to a second off)."""
+    """Wall-clock time (time.time) when a process started, from /proc (Linux, to the tick: /proc/uptime); else None."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # the name (field 2) may hold spaces

@@ -225,6 +225,7 @@ class _StandIn:
         self.pid: int | None = None
         self.pidfd: int | None = None
         self.pending: list[int] = []
+        self.sock: socket.socket | None = None
 
     def _pass_on(self, signum: int, frame: FrameType | None) -> None:
         if self.pid is None:
@@ -247,6 +248,8 @@ class _StandIn:
             why = f"the standby server cannot be reached ({err})"
         if self.pid is not None:
             self._follow()
+        if self.sock is not None:
+            self.sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for signum in self.pending:  # a signal that came while asking: delivered here, as to a cold rank
@@ -293,7 +296,7 @@ class _StandIn:
 
     def _follow(self) -> NoReturn:
         """Wait for the rank's end (told by the server, which is its parent) and end the same way."""
-        assert self.pid is not None
+        assert self.pid is not None and self.sock is not None
         self.sock.settimeout(None)
         try:
             message = receive(self.sock)

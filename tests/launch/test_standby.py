@@ -21,7 +21,7 @@ import pytest
 
 from lightning_resilience.launch import worker
 from lightning_resilience.launch.attempt import WORKER
-from lightning_resilience.launch.fork_server import script_imports
+from lightning_resilience.launch.preimport import script_imports
 from lightning_resilience.launch.standby import StandbyWorkers, predicted_env
 from lightning_resilience.rundir import RunDir
 
@@ -164,6 +164,20 @@ def test_a_rank_whose_environment_differs_starts_cold_and_says_why(tmp_path: Pat
     seen = json.loads(out.splitlines()[0])
     assert seen["pid"] == rank.pid and not seen["imported_before"]
     assert _record(tmp_path)["start"] == "cold" and "CUBLAS_WORKSPACE_CONFIG" in _record(tmp_path)["cold_reason"]
+
+
+def test_imports_that_leave_a_thread_running_make_every_rank_start_cold(tmp_path: Path, script: Path) -> None:
+    (script.parent / "settings_at_import.py").write_text(
+        SETTINGS + "import threading\nthreading.Thread(target=threading.Event().wait, daemon=True).start()\n"
+    )
+    workers = StandbyWorkers(_torchrun(script), 1, print)
+    workers.start()
+    try:
+        rank = _rank(tmp_path, _rank_env(tmp_path, workers), "ok")
+        _, err = rank.communicate(timeout=TIMEOUT_S)
+        assert rank.returncode == 0 and "cold start: the imports left 1 threads running" in err, err
+    finally:
+        workers.stop()
 
 
 def test_a_rank_variable_read_at_import_is_learnt_for_the_next_attempt(
