@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT)
 _AGENT_STOP_MARGIN_S = 10.0  # torchrun's agent gives its workers --shutdown-timeout (30 s) after its SIGTERM
-_AHEAD_AFTER_S = 30.0  # the next agent starts once the attempt committed a step, or after this long
+_AHEAD_AFTER_S = 30.0  # after a restart the next agent starts once the attempt committed a step, or after this long
 _POLL_S = 0.5
 SCHEDULER_JOB_ENVS = ("SLURM_JOB_ID",)
 """A scheduler's job id, kept by its requeues: the run id of a job launched without ``--rdzv-id``."""
@@ -246,8 +246,10 @@ class Launcher:
                 _say(f"workers still running {self.options.term_timeout_s:.0f} s after the signal: stopping torchrun")
                 self._stop_agent(agent)
                 break
-            if ahead and self._signalled is None and self._under_way(at_start, started):
-                self._agents.prepare()  # the next attempt's agent imports now, not after a failure
+            # the next attempt's agent imports now, not after a failure: at once for the launch's first attempt
+            # (its ranks import anyway), once a restarted attempt trains (not on that restart's critical path)
+            if ahead and self._signalled is None and (restarts == 0 or self._under_way(at_start, started)):
+                self._agents.prepare()
                 ahead = False
             try:
                 agent.wait(timeout=_POLL_S)
