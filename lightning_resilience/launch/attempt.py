@@ -6,10 +6,10 @@ read means there is no next attempt). It sets the attempt's variables (the spec'
 ``torch.distributed.run.run`` (what the ``torchrun`` command runs) with the user's torchrun arguments,
 ``--max-restarts 0`` (restarts are the launcher's), and each worker wrapped by
 :mod:`lightning_resilience.launch.worker`; then it writes what torchrun's elastic agent observed (each failed rank's
-exit status or signal, its error file) to the outcome file the spec names. A new process per attempt
-means a new agent and a new rendezvous store: no key of an earlier attempt can be read by a restarted worker. Once
-the outcome is written the process ends at once (``os._exit``): the launcher waits for its end, not for the
-interpreter to tear torch down.
+exit status or signal, its error file) to the outcome file the spec names. A new process per attempt means a new
+agent and a new rendezvous store: no key of an earlier attempt can be read by a restarted worker. Once the outcome is
+written the process ends at once (``os._exit``): the launcher waits for its end, not for the interpreter to tear
+torch down.
 
 Run as a file, with torch and the standard library only (no import of ours, hence none of Lightning).
 """
