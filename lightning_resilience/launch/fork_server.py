@@ -84,6 +84,7 @@ class _Server:
         self.selector = selectors.DefaultSelector()
         self.wake_r, self.wake_w = os.pipe()
         self.learnt: dict[str, str] = {}
+        self.again = False
 
     def serve(self) -> tuple[dict[str, Any], list[int]] | None:
         """Until the launcher says stop: None. In a forked child: its request and its streams."""
@@ -110,7 +111,7 @@ class _Server:
                 else:
                     self._stand_in_gone(key.data)
             self._reap()
-            if self.learnt and not self.children:
+            if self.again and not self.children:
                 self._relearn()
 
     def _accept(self) -> tuple[dict[str, Any], list[int]] | None:
@@ -125,10 +126,12 @@ class _Server:
             request = self.worker.receive(conn)
             if request is None:
                 raise OSError("the rank's wrapper closed the connection")
-            why, learnt = self.decline_reason(self.prepared, request)
+            why, again = self.decline_reason(self.prepared, request)
             if why is not None:
                 self.worker.send(conn, {"declined": why})
-                self.learnt.update(learnt)
+                if again is not None:
+                    self.learnt.update(again)
+                    self.again = True
                 raise OSError(why)
         except (OSError, ValueError) as err:
             for fd in fds:
@@ -155,7 +158,7 @@ class _Server:
 
     def _relearn(self) -> None:
         """Start over (exec) with the learnt values: this process cannot forget its imports."""
-        _say(f"importing again with {', '.join(f'{k}={v}' for k, v in sorted(self.learnt.items()))}")
+        _say(f"importing again{''.join(f' {k}={v}' for k, v in sorted(self.learnt.items()))}")
         predicted = {**json.loads(sys.argv[3]), **self.learnt}
         argv = list(sys.orig_argv)
         argv[argv.index(sys.argv[0]) + 3] = json.dumps(predicted)

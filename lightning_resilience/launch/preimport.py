@@ -160,32 +160,59 @@ class Prepared:
     per_worker_reads: set[str]
     hazard: str | None
     failed: list[str] = field(default_factory=list)
+    sources: dict[str, int] = field(default_factory=dict)
+    """The files of the imported modules and their modification times: a rank runs the code on disk now."""
 
 
-def decline_reason(prepared: Prepared, request: dict[str, Any]) -> tuple[str | None, dict[str, str]]:
-    """Why the rank of ``request`` must not run in a fork of this process (None: it may), and the rank's values of
-    the per-worker variables the imports read with another value (the next imports should use them)."""
+def _sources() -> dict[str, int]:
+    out = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str):
+            with contextlib.suppress(OSError):
+                out[path] = os.stat(path).st_mtime_ns
+    return out
+
+
+def _changed(sources: Mapping[str, int]) -> str | None:
+    for path, mtime in sources.items():
+        try:
+            if os.stat(path).st_mtime_ns != mtime:
+                return path
+        except OSError:
+            return path
+    return None
+
+
+def decline_reason(prepared: Prepared, request: dict[str, Any]) -> tuple[str | None, dict[str, str] | None]:
+    """Why the rank of ``request`` must not run in a fork of this process (None: it may); and, when the imports must
+    be made again for the next attempt, the rank's values of the variables they should see (else None)."""
     if prepared.hazard:
-        return prepared.hazard, {}
+        return prepared.hazard, None
     if request.get("interpreter") != prepared.interpreter:
-        return "the rank's interpreter or its flags differ from the standby worker's", {}
+        return "the rank's interpreter or its flags differ from the standby worker's", None
     argv = request.get("argv") or []
     if argv[: 2 if argv[:1] == ["-m"] else 1] != prepared.argv[: 2 if prepared.argv[:1] == ["-m"] else 1]:
-        return "another script than the standby worker imported for", {}
+        return "another script than the standby worker imported for", None
     if request.get("cwd") != prepared.cwd:
-        return "another working directory than the standby worker's", {}
+        return "another working directory than the standby worker's", None
     env: dict[str, str] = request.get("env") or {}
     differ = sorted(
         k for k in env.keys() | prepared.environ.keys() if not _per_worker(k) and env.get(k) != prepared.environ.get(k)
     )
     if differ:
-        return f"the environment differs from the standby worker's in {', '.join(differ[:8])}", {}
+        return f"the environment differs from the standby worker's in {', '.join(differ[:8])}", None
+    changed = _changed(prepared.sources)
+    if changed:
+        return f"{changed} changed since the standby worker imported it; importing again", {}
     seen = sorted(k for k in prepared.per_worker_reads if env.get(k) != prepared.environ.get(k))
     if seen:
         learnt = {k: env[k] for k in seen if k in PER_WORKER_ENV and k in env}  # not what changes every attempt
         said = ", ".join(f"{k}={env.get(k)!r} (imported with {prepared.environ.get(k)!r})" for k in seen)
-        return f"the imports read {said}" + ("; importing again with the rank's values" if learnt else ""), learnt
-    return None, {}
+        if learnt:
+            return f"the imports read {said}; importing again with the rank's values", learnt
+        return f"the imports read {said}", None
+    return None, None
 
 
 def prepare(argv: list[str], predicted: dict[str, str], worker: ModuleType) -> Prepared:
@@ -214,4 +241,5 @@ def prepare(argv: list[str], predicted: dict[str, str], worker: ModuleType) -> P
         per_worker_reads={k for k in reads if _per_worker(k)},
         hazard=_fork_hazard(),
         failed=failed,
+        sources=_sources(),
     )

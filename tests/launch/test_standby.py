@@ -32,6 +32,7 @@ import json, os, signal, sys, threading
 import settings_at_import  # reads RANK when imported, as Lightning's rank_zero_only does
 seen = {"argv": sys.argv, "path0": sys.path[0], "name": __name__, "pid": os.getpid(), "ppid": os.getppid(),
         "cwd": os.getcwd(), "env": dict(os.environ), "rank_at_import": settings_at_import.RANK,
+        "version": getattr(settings_at_import, "VERSION", 1),
         "imported_before": settings_at_import.IMPORTED_IN != os.getpid()}
 print(json.dumps(seen), flush=True)
 print("to the rank's stderr", file=sys.stderr, flush=True)
@@ -200,6 +201,24 @@ def test_a_rank_variable_read_at_import_is_learnt_for_the_next_attempt(
         assert _record(tmp_path, rank=2)["start"] == "standby"
     finally:
         workers.stop()
+
+
+def test_a_module_changed_on_disk_is_imported_again(tmp_path: Path, standby: StandbyWorkers) -> None:
+    env = _rank_env(tmp_path, standby)
+    first = _rank(tmp_path, env, "ok")
+    out, err = first.communicate(timeout=TIMEOUT_S)
+    assert json.loads(out.splitlines()[0])["version"] == 1 and first.returncode == 0, err
+    settings = tmp_path / "job" / "settings_at_import.py"
+    settings.write_text(SETTINGS + "VERSION = 2\n")  # the user fixed something between two attempts
+    os.utime(settings, ns=(settings.stat().st_atime_ns, settings.stat().st_mtime_ns + 1_000_000_000))
+    second = _rank(tmp_path, env, "ok")  # runs the code on disk: cold, while the standby worker imports again
+    out, err = second.communicate(timeout=TIMEOUT_S)
+    assert "settings_at_import.py changed since the standby worker imported it" in err
+    assert json.loads(out.splitlines()[0])["version"] == 2 and _record(tmp_path)["start"] == "cold"
+    third = _rank(tmp_path, env, "ok")
+    out, err = third.communicate(timeout=TIMEOUT_S)
+    seen = json.loads(out.splitlines()[0])
+    assert seen["version"] == 2 and seen["imported_before"] and _record(tmp_path)["start"] == "standby", err
 
 
 def test_nothing_outlives_the_owner_when_it_stops(tmp_path: Path, standby: StandbyWorkers) -> None:
