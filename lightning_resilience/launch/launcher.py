@@ -17,9 +17,11 @@ reaches them, so they can agree on a step and save; torchrun's agent is stopped 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -239,6 +241,7 @@ class Launcher:
             _signal_workers(agent.pid, self._signalled)
         deadline: float | None = None
         ahead = self.options.standby and restarts < self.options.max_restarts
+        agent_fd = _pidfd(agent.pid)  # readable the moment the agent ends (polling would see it up to 50 ms later)
         while agent.poll() is None:
             if self._signalled is not None and deadline is None:
                 deadline = time.monotonic() + self.options.term_timeout_s
@@ -251,10 +254,13 @@ class Launcher:
             if ahead and self._signalled is None and (restarts == 0 or self._under_way(at_start, started)):
                 self._agents.prepare()
                 ahead = False
-            try:
-                agent.wait(timeout=_POLL_S)
-            except subprocess.TimeoutExpired:
-                pass
+            if agent_fd is not None:
+                select.select([agent_fd], [], [], _POLL_S)
+            else:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    agent.wait(timeout=_POLL_S)
+        if agent_fd is not None:
+            os.close(agent_fd)
         self._agent = None
         agent_status = agent.wait()
         ended = time.time()
@@ -320,6 +326,14 @@ def write_verdict(launch: LaunchDir, record: AttemptRecord) -> None:
 # ------------------------------------------------------------------- helpers
 def _say(message: str) -> None:
     print(f"lightning-resilience launch: {message}", file=sys.stderr, flush=True)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when process ``pid`` ends (Linux 5.3); None where there is none."""
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
 
 
 def _children(pid: int) -> list[int]:
