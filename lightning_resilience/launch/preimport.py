@@ -143,7 +143,18 @@ def _fork_hazard() -> str | None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "the imports initialised CUDA (a forked child cannot use it)"
+    if _cuda_driver_loaded():
+        return ("the imports loaded the CUDA driver (a forked child cannot use it; a module-level "
+                "torch.cuda.is_available() does, unless PYTORCH_NVML_BASED_CUDA_CHECK=1)")  # fmt: skip
     return None
+
+
+def _cuda_driver_loaded() -> bool:
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("libcuda.so" in line for line in maps)
+    except OSError:
+        return False
 
 
 @dataclass
