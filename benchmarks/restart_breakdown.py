@@ -2,14 +2,16 @@
 
 Usage (from the repository root)::
 
-    python -m benchmarks.restart_breakdown            # the published run (about 15 minutes on 2 quiet cores)
-    python -m benchmarks.restart_breakdown --quick    # smoke mode: one job, nothing to publish
+    python -m benchmarks.restart_breakdown            # the published run (about 20 minutes on 2 quiet cores)
+    python -m benchmarks.restart_breakdown --quick    # smoke mode: one warm and one cold job, nothing to publish
 
 Each run is ``lightning-resilience launch --nproc-per-node 2`` (torchrun underneath) of ``recipes.pretrain_gpt`` with
 ``resilience=default``, rank 1 SIGKILLed at step ``--kill-at`` of the first attempt; the launcher restarts the job,
-which resumes and finishes. The runs alternate two configurations of the same commit: ``shared`` (the default
-preset: the RAM tier in shared memory) and ``process`` (``shared_memory=false``: the RAM tier dies with the
-process, the restart goes back to the disk tier). From the ledger and the launcher's records, each restart's fault
+which resumes and finishes. The runs alternate three configurations of the same commit: ``shared`` (the default:
+the RAM tier in shared memory, warm restarts: standby workers that imported the script's imports, the next agent
+started ahead), ``cold`` (the same with ``--no-standby``: every rank imports everything itself, each attempt's agent
+starts when the attempt does) and ``process`` (``shared_memory=false``: the RAM tier dies with the process, the
+restart goes back to the disk tier). From the ledger and the launcher's records, each restart's fault
 to first good step is split into: detection (the last good step to the failure noticed on rank 0), teardown (to
 torchrun's end of the attempt), launcher (to the next attempt's start), new processes (torchrun's agent,
 rendezvous of the agents, the workers spawned: to rank 0's process start), imports (the interpreter, torch,
@@ -41,7 +43,11 @@ DEFAULT_OUT = str(bench.RESULTS_DIR / "restart_breakdown.json")
 README_PENDING = f"**{TITLE}**: no result yet (`python -m {MODULE}` on a quiet machine)."
 PARTS = ("detection", "teardown", "launcher", "new_processes", "imports", "rendezvous", "setup", "restore",
          "first_step")  # fmt: skip
-CONFIGS = {"shared": [], "process": ["resilience.checkpoint.tiers.0.shared_memory=false"]}
+CONFIGS: dict[str, tuple[list[str], list[str]]] = {  # name: (launcher flags, recipe overrides)
+    "shared": ([], []),
+    "cold": (["--no-standby"], []),
+    "process": ([], ["resilience.checkpoint.tiers.0.shared_memory=false"]),
+}
 
 
 def _free_port() -> int:
@@ -50,13 +56,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_job(run_dir: Path, overrides: list[str], steps: int, kill_at: int, timeout_s: float) -> dict[str, Any]:
+def run_job(
+    run_dir: Path, config: tuple[list[str], list[str]], steps: int, kill_at: int, timeout_s: float
+) -> dict[str, Any]:
     """One job with one kill; returns its restart, split into :data:`PARTS`."""
+    flags, overrides = config
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     cmd = [
         sys.executable, "-m", "lightning_resilience.cli", "launch", "--nproc-per-node", "2", "--max-restarts", "2",
-        "--master-port", str(_free_port()), "--run-dir", str(run_dir), "-m", "recipes.pretrain_gpt",
+        "--master-port", str(_free_port()), "--run-dir", str(run_dir), *flags, "-m", "recipes.pretrain_gpt",
         f"run_dir={run_dir}", f"trainer.max_steps={steps}", "trainer.devices=2", "trainer.strategy=resilient_ddp",
         "resilience=default", "drill=kill_rank", f"drill.step={kill_at}", "drill.rank=1", "drill.attempt=0",
         *overrides,
@@ -112,7 +121,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="bound on one job, seconds")
     p.add_argument("--tmpdir", default=None, help="where the jobs run (default: the temp dir)")
     p.add_argument("--out", default=DEFAULT_OUT, help="JSON result file")
-    p.add_argument("--quick", action="store_true", help="smoke mode: one job of the default preset, nothing published")
+    p.add_argument("--quick", action="store_true", help="smoke mode: one warm and one cold job, nothing published")
     args = p.parse_args(argv)
     args.runs = args.runs or (1 if args.quick else 5)
     return args
@@ -134,13 +143,13 @@ def _median_parts(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="lr-restart-bench-", dir=args.tmpdir))
     machine = bench.machine_info()
-    configs = {"shared": CONFIGS["shared"]} if args.quick else CONFIGS
+    configs = {n: CONFIGS[n] for n in ("shared", "cold")} if args.quick else CONFIGS
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
     try:
         for i in range(args.runs):
-            for name, overrides in configs.items() if i % 2 == 0 else list(configs.items())[::-1]:
+            for name, config in configs.items() if i % 2 == 0 else list(configs.items())[::-1]:
                 start = time.perf_counter()
-                r = run_job(root / f"{name}_{i}", overrides, args.steps, args.kill_at, args.timeout)
+                r = run_job(root / f"{name}_{i}", config, args.steps, args.kill_at, args.timeout)
                 results[name].append(r)
                 bench.print_flush(f"[{MODULE}] {name} run {i}: fault to first good step {r['total_s']:.2f} s, "
                             f"{r['steps_lost']} steps lost (job {time.perf_counter() - start:.0f} s)")  # fmt: skip

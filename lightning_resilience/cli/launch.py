@@ -14,7 +14,7 @@ from lightning_resilience.cli._common import CliError, non_negative
 
 __all__ = ["launch_main"]
 
-_OURS = ("run_dir", "max_no_progress_restarts", "iteration_file", "term_timeout")
+_OURS = ("run_dir", "max_no_progress_restarts", "iteration_file", "term_timeout", "no_standby")
 _ENABLE_ENV = "LIGHTNING_RESILIENCE"
 DEFAULT_RUNS = "lightning_resilience_runs"
 """Where run directories go when none is named: ``./lightning_resilience_runs/<run id>``."""
@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds the workers get to save and end after a SIGTERM before torchrun is stopped (default 25: "
         "under Slurm's and Kubernetes' 30 s grace)",
     )
+    ours.add_argument(
+        "--no-standby",
+        action="store_true",
+        help="start every rank cold: no standby workers that import the script's imports ahead of each attempt, no "
+        "torchrun agent started ahead (docs/launching.md, warm restarts)",
+    )
     return parser
 
 
@@ -118,5 +124,6 @@ def launch_main(argv: list[str]) -> int:
         nproc_per_node=nproc,
         multi_node=max_nodes > 1,
         run_id=explicit_id,
+        standby=not args.no_standby,
     )
     return Launcher(options, torchrun, ["lightning-resilience", "launch", *argv]).run()

@@ -6,6 +6,7 @@ first step, and the steps it lost. Built from two consecutive attempts of the ET
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,11 +91,11 @@ def describe_restart(cost: Mapping[str, Any]) -> str:
 
 
 def process_started_at(pid: int | str = "self") -> float | None:
-    """Wall-clock time (time.time) when a process started, from /proc (Linux); None elsewhere."""
+    """Wall-clock time (time.time) when a process started, from /proc (Linux, to the tick: /proc/uptime); else None."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        boot = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
         ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # the name (field 2) may hold spaces
-        return int(boot.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration):
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
         return None

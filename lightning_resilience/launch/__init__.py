@@ -2,9 +2,11 @@
 ranks ended and the committed steps, and a versioned record of every attempt (docs/launching.md).
 
 Framework-free (torch only). Modules: :mod:`.launcher` (the loop), :mod:`.attempt` (one torchrun run, in its own
-process), :mod:`.worker` (what each rank runs: the user's script, recording how it ended), :mod:`.policy` (restart,
-stop, exit code), :mod:`.progress` (the newest committed step), :mod:`.records` (the JSON-lines format),
-:mod:`.analysis` (how an attempt ended and who ended it, by the suite's one attribution engine).
+process), :mod:`.worker` (what each rank runs: the user's script, recording how it ended), :mod:`.standby` (what
+the launcher keeps ready for warm restarts), :mod:`.fork_server` (a standby worker: the ranks run in its forks),
+:mod:`.preimport` (what it imports, and when a fork would not be exact), :mod:`.policy` (restart, stop, exit code),
+:mod:`.progress` (the newest committed step), :mod:`.records` (the JSON-lines format), :mod:`.analysis` (how an
+attempt ended and who ended it, by the suite's one attribution engine).
 """
 
 from lightning_resilience.launch.launcher import Launcher, LaunchOptions

@@ -198,7 +198,7 @@ def rank_ends(outcome: dict[str, Any], records: dict[int, dict[str, Any]]) -> li
             else:
                 end.signal, end.exit_code = signal_name(status), (status if status >= 0 else None)
             end.local_rank = seen.get("local_rank", end.local_rank)
-            end.pid = seen.get("pid", end.pid)
+            end.pid = end.pid or seen.get("pid")  # the process that ran the script (torchrun's may stand in for it)
             if end.exception is None and seen.get("exception_type"):
                 end.exception = {"type": seen["exception_type"], "message": seen.get("message", "")}
             if end.ended_at is None:

@@ -1,10 +1,15 @@
 """``python .../launch/attempt.py SPEC.json``: one attempt, run by torchrun itself.
 
-The launcher starts this process once per attempt. It calls ``torch.distributed.run.run`` (what the ``torchrun``
-command runs) with the user's torchrun arguments, ``--max-restarts 0`` (restarts are the launcher's), and each worker
-wrapped by :mod:`lightning_resilience.launch.worker`; then it writes what torchrun's elastic agent observed (each
-failed rank's exit status or signal, its error file) to the outcome file the spec names. A new process per attempt
-means a new agent and a new rendezvous store: no key of an earlier attempt can be read by a restarted worker.
+The launcher starts this process once per attempt (``attempt.py SPEC``), or ahead of the attempt while the previous
+one trains (``attempt.py --ahead FD``: it imports torchrun, then reads the spec's path from the pipe ``FD``; an empty
+read means there is no next attempt). It sets the attempt's variables (the spec's ``env``), then calls
+``torch.distributed.run.run`` (what the ``torchrun`` command runs) with the user's torchrun arguments,
+``--max-restarts 0`` (restarts are the launcher's), and each worker wrapped by
+:mod:`lightning_resilience.launch.worker`; then it writes what torchrun's elastic agent observed (each failed rank's
+exit status or signal, its error file) to the outcome file the spec names. A new process per attempt means a new
+agent and a new rendezvous store: no key of an earlier attempt can be read by a restarted worker. Once the outcome is
+written the process ends at once (``os._exit``): the launcher waits for its end, not for the interpreter to tear
+torch down.
 
 Run as a file, with torch and the standard library only (no import of ours, hence none of Lightning).
 """
@@ -13,15 +18,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WORKER", "main", "torchrun_args"]
+__all__ = ["WORKER", "main", "torchrun_args", "worker_argv"]
 
 WORKER = Path(__file__).resolve().with_name("worker.py")
+
+
+def worker_argv(torchrun: Mapping[str, Any]) -> list[str]:
+    """What the rank wrapper runs: ``[-m MODULE | SCRIPT, args...]``."""
+    script = ["-m", torchrun["training_script"]] if torchrun.get("module") else [torchrun["training_script"]]
+    return [*script, *torchrun["training_script_args"]]
 
 
 def torchrun_args(spec: dict[str, Any]) -> argparse.Namespace:
@@ -29,8 +43,7 @@ def torchrun_args(spec: dict[str, Any]) -> argparse.Namespace:
     args = argparse.Namespace(**spec["torchrun"])
     args.max_restarts = 0
     if not args.no_python and not args.run_path:  # a plain executable or an in-process function cannot be wrapped
-        script = ["-m", args.training_script] if args.module else [args.training_script]
-        args.training_script_args = [*script, *args.training_script_args]
+        args.training_script_args = worker_argv(spec["torchrun"])
         args.training_script, args.module = str(WORKER), False
     return args
 
@@ -52,8 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
-    spec_path = Path((sys.argv[1:] if argv is None else argv)[0])
-    spec = json.loads(spec_path.read_text())
+    args = sys.argv[1:] if argv is None else argv
+    if args[0] == "--ahead":  # started while the previous attempt trains: the spec comes when this attempt starts
+        with open(int(args[1])) as pipe:
+            line = pipe.readline().strip()
+        if not line:
+            return 0
+        args = [line]
+    spec = json.loads(Path(args[0]).read_text())
+    os.environ.update(spec.get("env") or {})
     out = Path(spec["outcome"])
     outcome: dict[str, Any] = {"started_at": time.time(), "failures": {}, "error": None}
     status = 0
@@ -84,4 +104,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)  # the outcome is written: torch's teardown is no part of the attempt

@@ -6,6 +6,10 @@ launcher reads what torchrun observed and what each rank recorded, finds the cul
 fault notes, reads the newest committed step, appends one record to ``<run_dir>/launch/attempts.jsonl`` and decides
 (:class:`~lightning_resilience.launch.policy.RestartPolicy`): done, restart, or stop with a code for the scheduler.
 
+Restarts are warm (:mod:`.standby`): per local rank a standby worker has imported what the script imports, and each
+rank of each attempt runs in a fork of it, in the environment torchrun gives the rank; the next attempt's torchrun
+agent is started while the current attempt trains. An attempt process ends as soon as its outcome is written.
+
 A SIGTERM (or SIGINT) to the launcher is passed to the workers first, the way a scheduler's preemption notice
 reaches them, so they can agree on a step and save; torchrun's agent is stopped only if they have not ended within
 ``term_timeout_s``. The launcher then exits with :attr:`ExitCode.PREEMPTED` (130 after SIGINT).
@@ -13,9 +17,11 @@ reaches them, so they can agree on a step and save; torchrun's agent is stopped 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -29,11 +35,11 @@ from types import FrameType
 from typing import Any
 
 from lightning_resilience.ft.restart import atomic_write_json
-from lightning_resilience.launch import attempt as attempt_module
 from lightning_resilience.launch.analysis import analyse, summary
 from lightning_resilience.launch.policy import RestartPolicy, requeue_wanted
 from lightning_resilience.launch.progress import Progress, job_progress
 from lightning_resilience.launch.records import AttemptRecord, LaunchRecord, append_record, read_records
+from lightning_resilience.launch.standby import AgentAhead, StandbyWorkers
 from lightning_resilience.launch.worker import ATTEMPT_ENV, RANK_RECORD_ENV, TORCHELASTIC_ENV
 from lightning_resilience.rundir import RUN_DIR_ENV, LaunchDir, RunDir
 
@@ -43,6 +49,8 @@ log = logging.getLogger(__name__)
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT)
 _AGENT_STOP_MARGIN_S = 10.0  # torchrun's agent gives its workers --shutdown-timeout (30 s) after its SIGTERM
+_AHEAD_AFTER_S = 30.0  # after a restart the next agent starts once the attempt committed a step, or after this long
+_POLL_S = 0.5
 SCHEDULER_JOB_ENVS = ("SLURM_JOB_ID",)
 """A scheduler's job id, kept by its requeues: the run id of a job launched without ``--rdzv-id``."""
 
@@ -68,6 +76,8 @@ class LaunchOptions:
     run_id: str | None = None
     """The job's run id (torchrun's ``--rdzv-id`` when given); by default the one recorded in the run directory,
     else the scheduler's job id, else a new one."""
+    standby: bool = True
+    """Warm restarts: standby workers that imported what the script imports, and the next agent started ahead."""
 
     def __post_init__(self) -> None:
         if self.term_timeout_s <= 0:
@@ -94,6 +104,8 @@ class Launcher:
         self._signalled: int | None = None
         self._agent: subprocess.Popen[bytes] | None = None
         self._said_unknown = False
+        self._agents = AgentAhead()
+        self._standby: StandbyWorkers | None = None
 
     def _run_id(self) -> str:
         """Stable across the attempts of this launch and across requeues of the run directory."""
@@ -123,6 +135,13 @@ class Launcher:
             _say(f"got {signal.Signals(signum).name}: passing it to the workers (they save and stop)")
             if self._agent is not None:
                 _signal_workers(self._agent.pid, signum)
+
+    def _under_way(self, at_start: Progress, started: float) -> bool:
+        """The attempt trains: it committed a newer step, or it has run for a while."""
+        if time.time() - started > _AHEAD_AFTER_S:
+            return True
+        step = self.progress().step
+        return step is not None and (at_start.step is None or step > at_start.step)
 
     def _stop_agent(self, agent: subprocess.Popen[bytes]) -> None:
         """Bounded: the workers had ``term_timeout_s``; then torchrun's agent stops them; then everything is killed."""
@@ -164,6 +183,7 @@ class Launcher:
         _say(f"run directory {self.run_dir.root}, run id {self.run_id}, attempt records in {self.launch.attempts}")
         handlers = {sig: signal.signal(sig, self._on_signal) for sig in _FORWARDED}
         try:
+            self._start_standby()
             restarts = 0
             while True:
                 record = self._attempt(attempt, restarts, no_progress)
@@ -175,20 +195,28 @@ class Launcher:
                     return record.exit_code
                 no_progress, attempt, restarts = record.no_progress_count, attempt + 1, restarts + 1
         finally:
+            self._agents.stop()
+            if self._standby is not None:
+                self._standby.stop()
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+
+    def _start_standby(self) -> None:
+        if not self.options.standby:
+            return
+        why = StandbyWorkers.unavailable(self.torchrun)
+        if why:
+            _say(f"no standby workers ({why}): every attempt's ranks start cold")
+            return
+        self._standby = StandbyWorkers(self.torchrun, self.options.nproc_per_node, _say)
+        self._standby.start()
 
     def _attempt(self, attempt: int, restarts: int, no_progress: int) -> AttemptRecord:
         folder = self.launch.attempt(attempt)
         shutil.rmtree(folder, ignore_errors=True)  # a requeued job may reuse the index of an attempt never recorded
         folder.mkdir(parents=True)
         spec = self.launch.spec(attempt)
-        atomic_write_json(
-            spec, {"attempt": attempt, "torchrun": self.torchrun, "outcome": str(self.launch.outcome(attempt))}
-        )
-        at_start = self.progress()
         env = {
-            **os.environ,
             ATTEMPT_ENV: str(attempt),
             RUN_DIR_ENV: str(self.run_dir.root),
             RANK_RECORD_ENV: self.launch.rank_record_template(attempt),
@@ -200,19 +228,20 @@ class Launcher:
                     "TORCHELASTIC_RUN_ID": self.run_id,
                 }
             ),
+            **(self._standby.attempt_env() if self._standby is not None else {}),
         }
+        torchrun_spec = {"attempt": attempt, "torchrun": self.torchrun, "outcome": str(self.launch.outcome(attempt))}
+        atomic_write_json(spec, {**torchrun_spec, "env": env})
+        at_start = self.progress()
         started = time.time()
         _say(f"attempt {attempt} starting (newest committed step: {at_start.describe()})")
-        agent = subprocess.Popen(
-            [sys.executable, str(Path(attempt_module.__file__).resolve()), str(spec)],
-            env=env,
-            start_new_session=True,  # its own process group: stopped as a whole, and Ctrl-C reaches the launcher only
-            preexec_fn=_end_with_parent,
-        )
+        agent = self._agents.take(spec)
         self._agent = agent
         if self._signalled is not None:  # a signal that came between two attempts
             _signal_workers(agent.pid, self._signalled)
         deadline: float | None = None
+        ahead = self.options.standby and restarts < self.options.max_restarts
+        agent_fd = _pidfd(agent.pid)  # readable the moment the agent ends (polling would see it up to 50 ms later)
         while agent.poll() is None:
             if self._signalled is not None and deadline is None:
                 deadline = time.monotonic() + self.options.term_timeout_s
@@ -220,10 +249,18 @@ class Launcher:
                 _say(f"workers still running {self.options.term_timeout_s:.0f} s after the signal: stopping torchrun")
                 self._stop_agent(agent)
                 break
-            try:
-                agent.wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                pass
+            # the next attempt's agent imports now, not after a failure: at once for the launch's first attempt
+            # (its ranks import anyway), once a restarted attempt trains (not on that restart's critical path)
+            if ahead and self._signalled is None and (restarts == 0 or self._under_way(at_start, started)):
+                self._agents.prepare()
+                ahead = False
+            if agent_fd is not None:
+                select.select([agent_fd], [], [], _POLL_S)
+            else:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    agent.wait(timeout=_POLL_S)
+        if agent_fd is not None:
+            os.close(agent_fd)
         self._agent = None
         agent_status = agent.wait()
         ended = time.time()
@@ -291,14 +328,12 @@ def _say(message: str) -> None:
     print(f"lightning-resilience launch: {message}", file=sys.stderr, flush=True)
 
 
-def _end_with_parent() -> None:
-    """In the torchrun child: get SIGTERM if the launcher dies (Linux), so no attempt outlives its launcher."""
+def _pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when process ``pid`` ends (Linux 5.3); None where there is none."""
     try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        return os.pidfd_open(pid)
     except (OSError, AttributeError):
-        pass
+        return None
 
 
 def _children(pid: int) -> list[int]:

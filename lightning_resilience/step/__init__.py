@@ -1,1 +1,2 @@
-"""The step path: one ordered step end (:mod:`.driver`), one non-blocking agreement (:mod:`.agreement`), and the side groups the suite shares (:mod:`.channels`)."""
+"""The step path: one ordered step end (:mod:`.driver`), one non-blocking agreement (:mod:`.agreement`), and the
+side groups the suite's components share (:mod:`.channels`)."""

@@ -139,7 +139,7 @@ def main(argv: list[str]) -> int:
     reporter = Report(args.run_dir / "reports" / f"attempt{attempt.restart_count}_rank{attempt.rank}.json", report)
     ft = FaultTolerance(
         FaultToleranceConfig(
-            run_dir=str(args.run_dir / "resilience"),
+            run_dir=str(args.run_dir),  # the launcher's run directory: it reads the notes and dumps there
             initial_timeouts_s={"setup": 120.0, "step": 60.0, "out_of_section": 60.0, "checkpointing": 60.0},
             warmup_steps=3,
             safety_factor=5.0,

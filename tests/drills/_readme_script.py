@@ -7,8 +7,9 @@ for each K, across restarts and requeues; ``--always-kill-step K``: on every att
 (``--remote URL``: an fsspec directory standing for an object store; with ``--remote-only`` it is the only
 persistent tier), and a line per attempt in ``--out/env_rank<R>.jsonl`` with what torchrun's contract told the rank
 (``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``) and whether the suite gave
-the attempt a store of its own (``LIGHTNING_RESILIENCE_ATTEMPT_STORE``). Rank 0 of the attempt
-that finishes writes ``--out/weights.pt``.
+the attempt a store of its own (``LIGHTNING_RESILIENCE_ATTEMPT_STORE``), the rank's other torchrun variables, its
+pid, and the rank Lightning read when it was imported (``rank_zero_only.rank``). Rank 0 of the attempt that finishes
+writes ``--out/weights.pt``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
 
 from lightning_resilience import LocalTier, MemoryTier, RemoteTier, TieredCheckpoint
@@ -66,6 +68,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--remote-only", action="store_true")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
+    rank_at_import = getattr(rank_zero_only, "rank", None)  # read from RANK when Lightning was imported
     args.out.mkdir(parents=True, exist_ok=True)
     # ---- the README's example
     seed_everything(7)
@@ -86,8 +89,10 @@ def main(argv: list[str]) -> int:
         default_root_dir=str(args.out / "lightning"),
     )
     with open(args.out / f"env_rank{rank}.jsonl", "a") as f:  # the callbacks are built, the process group is not
-        names = ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", SCOPED_STORE_ENV)
-        f.write(json.dumps({n: os.environ.get(n) for n in names}) + "\n")
+        names = ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", SCOPED_STORE_ENV,
+                 "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+        seen = {n: os.environ.get(n) for n in names}
+        f.write(json.dumps({**seen, "pid": os.getpid(), "rank_zero_only_at_import": rank_at_import}) + "\n")
     model = Regressor()
     trainer.fit(model, DataLoader(AugmentedPoints(), batch_size=8, shuffle=True))
     if trainer.is_global_zero:

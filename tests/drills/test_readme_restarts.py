@@ -7,7 +7,10 @@
 * ``lightning-resilience launch --nproc-per-node 2 --max-restarts 2 script.py`` without ``--run-dir``: it runs
   (the default run directory is said at start), rank 0 sees torchrun's contract (``TORCHELASTIC_RESTART_COUNT``
   0, 1, 2, ``TORCHELASTIC_MAX_RESTARTS`` 2, one ``TORCHELASTIC_RUN_ID``), and the job that was killed twice while
-  committing steps at a path of its own, outside any run directory, is not stopped for lack of progress;
+  committing steps at a path of its own, outside any run directory, is not stopped for lack of progress; every
+  rank of every attempt ran in a fork of its standby worker (warm), saw torchrun's ``RANK``, ``LOCAL_RANK``,
+  ``WORLD_SIZE`` and ``MASTER_PORT`` (Lightning too, at import), and the job ends bitwise equal to an uninterrupted
+  run;
 * ``LAUNCH_DRILLS=all`` adds: killed three times with progress in between (tiers outside the run directory), and a
   job whose only persistent tier is a remote one (an fsspec store), judged by what it committed there.
 """
@@ -119,7 +122,8 @@ def _attempts(run_dir: Path) -> list[AttemptRecord]:
 def test_launch_without_a_run_dir_keeps_torchruns_contract_and_sees_progress_outside_the_run_dir(
     tmp_path: Path, reference: dict[str, torch.Tensor]
 ) -> None:
-    cmd = [*_launcher(), "launch", "--nproc-per-node", "2", "--max-restarts", "2", "--master-port", str(free_port()),
+    port = free_port()
+    cmd = [*_launcher(), "launch", "--nproc-per-node", "2", "--max-restarts", "2", "--master-port", str(port),
            *_script_args(tmp_path, "--kill-steps", "12,24")]  # fmt: skip
     proc = _run(cmd, tmp_path, tmp_path / "launch.log")
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -131,6 +135,16 @@ def test_launch_without_a_run_dir_keeps_torchruns_contract_and_sees_progress_out
     run_ids = {e["TORCHELASTIC_RUN_ID"] for e in envs}
     assert len(run_ids) == 1 and None not in run_ids
     assert run_ids == {(RunDir(run_dir).launch().run_id).read_text().strip()}
+    # warm restarts: each rank of each attempt is a new fork of its standby worker, with torchrun's variables
+    launch = RunDir(run_dir).launch()
+    for rank in (0, 1):
+        seen = _envs(tmp_path, rank)
+        assert all(e["RANK"] == e["LOCAL_RANK"] == str(rank) == str(e["rank_zero_only_at_import"]) for e in seen)
+        assert {(e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["MASTER_PORT"]) for e in seen} == {("2", "2", str(port))}
+        records = [json.loads(launch.rank_record(a, rank).read_text()) for a in range(3)]
+        assert [r["start"] for r in records] == ["standby"] * 3, records
+        assert [r["pid"] for r in records] == [e["pid"] for e in seen] and len({e["pid"] for e in seen}) == 3
+    assert ": cold start: " not in proc.stderr  # no rank had to import for itself
     records = _attempts(run_dir)
     # the user's LocalTier is at a path of its own: its commits reach the launcher through the progress records
     _assert_progressed(records, kills=(12, 24))

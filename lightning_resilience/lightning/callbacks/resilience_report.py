@@ -36,7 +36,10 @@ class ResilienceReportCallback(Callback):
     This callback adds a ``run`` section (median optimizer step time with checkpoint blocking taken out, world
     size, how fit ended). The report goes to ``<run_dir>/resilience_report.json`` in the schema that
     ``lightning-resilience simulate --from-run <run_dir>`` reads; the table is printed and PNGs are drawn when
-    matplotlib is installed. It collects at ``on_fit_end``, after every other callback's ``on_train_end``.
+    matplotlib is installed. It collects at ``on_fit_end``, after every other callback's ``on_train_end``. When
+    ``fit`` raises and torchrun (or ``lightning-resilience launch``) has restarts left, the pictures are left to the
+    attempt that ends the job: drawing them would delay the restart by about a second (``lightning-resilience
+    report RUN_DIR`` draws them at any time).
 
     Example::
 
@@ -136,7 +139,8 @@ class ResilienceReportCallback(Callback):
         if isinstance(exception, DecidedExit):
             return  # written at on_fit_end
         try:
-            self._finish(trainer, f"exception: {type(exception).__name__}: {exception}"[:500])
+            status = f"exception: {type(exception).__name__}: {exception}"[:500]
+            self._finish(trainer, status, plots=self.plots and not _restart_follows())
         except Exception as err:  # the training exception is what the user must see
             log.error("could not write the resilience report: %s", err)
 
@@ -148,7 +152,7 @@ class ResilienceReportCallback(Callback):
         return store.stats.capture_seconds, store.stats.captures
 
     # ------------------------------------------------------------------ report
-    def _finish(self, trainer: Trainer, status: str) -> None:
+    def _finish(self, trainer: Trainer, status: str, plots: bool | None = None) -> None:
         if self._written or not trainer.is_global_zero:
             return
         self._written = True
@@ -167,7 +171,7 @@ class ResilienceReportCallback(Callback):
         files = write_report(
             self.last_report,
             run_dir,
-            plots=self.plots,
+            plots=self.plots if plots is None else plots,
             console=console,
             current_attempt="finished" if status == "finished" else None,
         )
@@ -215,6 +219,14 @@ class ResilienceReportCallback(Callback):
             gpus=trainer.world_size,
             gpus_per_node=trainer.num_devices,
         )
+
+
+def _restart_follows() -> bool:
+    """This job's launcher has restarts left after this attempt (torchrun's per-attempt variables say so)."""
+    try:
+        return int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) > int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    except (KeyError, ValueError):
+        return False
 
 
 def _log_host_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
