@@ -11,6 +11,7 @@ import platform
 import shlex
 import statistics
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -149,17 +150,43 @@ def check_load_at_start(machine: dict[str, Any], *, allow: bool, quick: bool = F
         )
 
 
-def finish_load(machine: dict[str, Any]) -> dict[str, Any]:
+FOREIGN_CPU_MAX = 0.1
+"""Most CPU other processes may use during a benchmark that loads the machine itself, as a share of its cores."""
+
+
+def cpu_counters() -> tuple[float, float, float]:
+    """(busy CPU seconds of the whole machine from /proc/stat, CPU seconds of this process and of the children it
+    waited for, monotonic seconds): :func:`finish_load` tells the benchmark's own CPU time from other processes'."""
+    tick = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    busy = (sum(fields[:8]) - fields[3] - fields[4]) / tick  # all but idle and iowait (guest time is in user)
+    t = os.times()
+    return busy, t.user + t.system + t.children_user + t.children_system, time.monotonic()
+
+
+def finish_load(machine: dict[str, Any], since: tuple[float, float, float] | None = None) -> dict[str, Any]:
     """Record the load average at the end in ``machine`` and whether the result is fit to publish: it is not when
-    the 1-min load average exceeded the cores at the start or at the end (the benchmark's own threads count too)."""
+    the 1-min load average exceeded the cores at the start or at the end (the benchmark's own threads count too).
+
+    A benchmark whose own processes load the machine (N ranks on its cores) passes ``since`` (:func:`cpu_counters`
+    at its start): the end is then judged by the CPU time other processes used meanwhile, at most
+    :data:`FOREIGN_CPU_MAX` of the cores."""
     cores = int(machine.get("cores") or _cores())
     machine["loadavg_at_end"] = _loadavg()
     start, end = machine.get("loadavg_at_start"), machine["loadavg_at_end"]
+    checked = (("start", start),) if since is not None else (("start", start), ("end", end))
     why = [
         f"1-min load average {load[0]:.2f} at the {when} on {cores} cores"
-        for when, load in (("start", start), ("end", end))
+        for when, load in checked
         if load is not None and _loaded(load, cores)
     ]
+    if since is not None:
+        busy, own, now = (b - a for a, b in zip(since, cpu_counters()))
+        foreign = max(0.0, busy - own) / max(now * cores, 1e-9)
+        machine["foreign_cpu_share"] = foreign
+        if foreign > FOREIGN_CPU_MAX:
+            why.append(f"other processes used {100 * foreign:.0f}% of the {cores} cores during the run")
     machine["load"] = {"cores": cores, "fit_to_publish": not why, "why": "; ".join(why) or None}
     return machine
 
@@ -178,8 +205,11 @@ def load_line(machine: dict[str, Any]) -> str:
         return "n/a" if not load else f"{load[0]:.1f}"
 
     cores = machine.get("cores") or machine.get("cpu_affinity") or machine.get("cpu_count")
-    return f"1-min load average {one('loadavg_at_start')} at start, {one('loadavg_at_end')} at end" + (
-        f" ({cores} cores)" if cores else ""
+    foreign = machine.get("foreign_cpu_share")
+    return (
+        f"1-min load average {one('loadavg_at_start')} at start, {one('loadavg_at_end')} at end"
+        + (f" ({cores} cores)" if cores else "")
+        + (f"; other processes used {100 * foreign:.1f}% of the cores during the run" if foreign is not None else "")
     )
 
 

@@ -27,6 +27,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_resilience.collective import SideGroup
+from lightning_resilience.lightning._step_path import StepPath
 from lightning_resilience.lightning.coordination import Suite
 from lightning_resilience.lightning.suite import build_suite, compose_resilience
 from lightning_resilience.step.agreement import Op, TreeAgreement
@@ -72,21 +73,50 @@ class Clock(Callback):
             self.fds = len(os.listdir("/proc/self/fd"))
 
 
-def _timed(callbacks: list[Callback], spent: dict[int, float], trainer_ref: list[Trainer]) -> None:
+class Spent:
+    """The suite's time on the training thread per step: wall-clock (what the step waits, including the time the
+    thread is descheduled) and the thread's CPU time (what the suite's code costs, whatever else runs)."""
+
+    def __init__(self) -> None:
+        self.wall: dict[int, float] = {}
+        self.cpu: dict[int, float] = {}
+        self.trainer: Trainer | None = None
+
+    def wrap(self, original: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if self.trainer is not None:
+                    step = self.trainer.global_step
+                    self.wall[step] = self.wall.get(step, 0.0) + time.perf_counter() - start
+                    self.cpu[step] = self.cpu.get(step, 0.0) + time.thread_time() - start_cpu
+
+        return timed
+
+
+_SPENT: list[Spent] = [Spent()]
+"""The suite's times of the fit under way."""
+
+
+def _timed(callbacks: list[Callback], spent: Spent) -> None:
     """Wrap every training-loop hook of the suite's callbacks so its time is added to the step it ran in."""
     for cb in callbacks:
         for name in HOOKS:
-            original = getattr(cb, name)
+            setattr(cb, name, spent.wrap(getattr(cb, name)))
 
-            def timed(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
-                start = time.perf_counter()
-                try:
-                    return _original(*args, **kwargs)
-                finally:
-                    step = trainer_ref[0].global_step if trainer_ref else -1
-                    spent[step] = spent.get(step, 0.0) + time.perf_counter() - start
 
-            setattr(cb, name, timed)
+def _time_step_path() -> None:
+    """The suite's own callback (the step driver's Lightning hooks) is added at fit start: its class's hooks are
+    wrapped once, each call timed into the fit under way's :class:`Spent`."""
+    for name in ("on_train_batch_start", "on_train_batch_end"):
+        original = getattr(StepPath, name)
+
+        def hook(self: StepPath, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            return _SPENT[0].wrap(_original)(self, *args, **kwargs)
+
+        setattr(StepPath, name, hook)
 
 
 def fit_once(suite: bool, steps: int, world: int, run_dir: Path) -> dict[str, Any]:
@@ -94,8 +124,7 @@ def fit_once(suite: bool, steps: int, world: int, run_dir: Path) -> dict[str, An
     data = TensorDataset(torch.randn(64 * world, 8), torch.randn(64 * world, 1))
     clock = Clock(steps)
     callbacks: list[Callback] = [clock]
-    spent: dict[int, float] = {}
-    trainer_ref: list[Trainer] = []
+    spent = Spent()
     ours: list[Callback] = []
     if suite:
         node = compose_resilience(["+resilience=default", f"++resilience.run_dir={run_dir}"])
@@ -115,9 +144,10 @@ def fit_once(suite: bool, steps: int, world: int, run_dir: Path) -> dict[str, An
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
-    trainer_ref.append(trainer)
-    if suite:  # the members' own hooks; the suite's step path (the driver) keeps its own per-step times
-        _timed(ours, spent, trainer_ref)
+    spent.trainer = trainer
+    if suite:  # the members' own hooks, and the suite's step path (the step driver's hooks)
+        _timed(ours, spent)
+        _SPENT[0] = spent
     start = time.perf_counter()
     trainer.fit(Tiny(), DataLoader(data, batch_size=4, shuffle=True))
     wall = time.perf_counter() - start
@@ -133,7 +163,8 @@ def fit_once(suite: bool, steps: int, world: int, run_dir: Path) -> dict[str, An
         assert s.driver is not None
         out["driver_ms_per_step"] = s.driver.stats.per_step_ms()
         out["driver_s_by_step"] = {str(k): v for k, v in s.driver.stats.recent}
-        out["hook_s_by_step"] = {str(k): v for k, v in sorted(spent.items())}
+        out["suite_s_by_step"] = {str(k): v for k, v in sorted(spent.wall.items())}
+        out["suite_cpu_s_by_step"] = {str(k): v for k, v in sorted(spent.cpu.items())}
         stats = s.driver.agreement.stats
         out["agreement"] = {"rounds": stats.rounds, "late": stats.waits, "waited_s": stats.waited_seconds}
     return out
@@ -168,6 +199,7 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     out = Path(args.out)
+    _time_step_path()
     fits = []
     for turn in range(args.turns):
         for suite in (False, True) if turn % 2 == 0 else (True, False):

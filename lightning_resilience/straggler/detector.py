@@ -6,9 +6,8 @@ of each step since the previous exchange; the scores, change points and the ladd
 gathered records. Two ways to exchange:
 
 * along the tree of the step agreement to rank 0 alone (:meth:`StragglerDetector.with_tree`, what the Lightning
-  callback uses): issued without waiting, taken at a later step; rank 0 decides, and what it decides reaches the
-  other ranks through the policy in the next step's agreement. Nothing on a step grows with the number of ranks,
-  and no rank but rank 0 holds N records;
+  callback uses): issued without waiting, taken at a later step; rank 0 scores on a thread of its own and decides,
+  and the policy's next agreement tells the others. Nothing on a training thread grows with the number of ranks;
 * by an all-gather to every rank (``gather``, :meth:`StragglerDetector.from_process_group`): every rank runs the
   same computation on the same records and reaches the same decisions at the same step.
 
@@ -28,6 +27,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -60,8 +60,7 @@ __all__ = ["AUTO_SECTIONS", "StragglerDetector"]
 
 log = logging.getLogger(__name__)
 
-AUTO_SECTIONS = (COMPUTE, DATA)
-"""Sections tested when the configuration names none."""
+AUTO_SECTIONS = (COMPUTE, DATA)  # tested when the configuration names none
 _HISTORY_CAP = 20_000  # gathered samples kept for the plot and the report
 
 
@@ -118,6 +117,8 @@ class StragglerDetector:
         self._gather = gather
         self._tree = tree
         self._inflight: Pending | None = None
+        self._scorer: ThreadPoolExecutor | None = None  # rank 0 of a tree: scores off the training thread
+        self._scoring: deque[Future[list[Escalation]]] = deque()
         if timer is None:
             use_cuda = c.cuda_events and torch.cuda.is_available()
             timer = StepTimer(CudaEventSource() if use_cuda else None, clock=clock)
@@ -174,7 +175,11 @@ class StragglerDetector:
         return self.probe.attach(model)
 
     def close(self) -> None:
-        """Release the probes and the kernel profiler."""
+        """Finish the scoring in flight; release the scoring thread, the probes and the kernel profiler."""
+        self.drain()
+        if self._scorer is not None:
+            self._scorer.shutdown(wait=True)
+            self._scorer = None
         self.probe.detach()
         if self._kernels is not None:
             self._kernels.close()
@@ -241,12 +246,27 @@ class StragglerDetector:
         self.timer.mark_idle()  # the exchange and the scoring are not a wait for data
         return decisions
 
+    @property
+    def scoring(self) -> bool:
+        """Rank 0 of a tree is scoring an exchange on its scoring thread: the scores, verdicts and ladder are being
+        updated, and the training thread reads them once it is done."""
+        return bool(self._scoring)
+
+    def drain(self, *, wait: bool = True) -> list[Escalation]:
+        """The decisions of the scoring done (``wait``: of all in flight, off the step path: a fit's end, a report)."""
+        decisions: list[Escalation] = []
+        while self._scoring and (wait or self._scoring[0].done()):
+            decisions += self._scoring.popleft().result()
+        return decisions
+
     def _take(self, *, wait: bool) -> list[Escalation]:
-        """The exchange in flight, once it has arrived (or now, waiting, before the next is issued): rank 0 scores
-        every rank's timings; the other ranks have nothing to do."""
+        """Decisions of the scoring that finished, and the exchange in flight once it has arrived (or now, waiting,
+        before the next is issued). Rank 0 decodes and scores every rank's timings on its scoring thread: work that
+        grows with the number of ranks never runs on the training thread; the other ranks have nothing to do."""
+        decisions = self.drain(wait=False)
         pending = self._inflight
         if pending is None or not (wait or pending.done()):
-            return []
+            return decisions
         self._inflight = None
         try:
             gathered = pending.result()
@@ -258,9 +278,12 @@ class StragglerDetector:
                 group="straggler",
             ) from err
         self.gather_seconds += time.perf_counter() - pending.issued
-        if not gathered:
-            return []
-        return self.consume(int(pending.step or 0), [decode_payload(body) for _, body in gathered])
+        if gathered:
+            if self._scorer is None:
+                self._scorer = ThreadPoolExecutor(1, thread_name_prefix="straggler-scoring")
+            step, bodies = int(pending.step or 0), [body for _, body in gathered]
+            self._scoring.append(self._scorer.submit(lambda: self.consume(step, [decode_payload(b) for b in bodies])))
+        return decisions
 
     # ------------------------------------------------------------------ exchange
     def prepare(self, step: int | None = None) -> Payload | None:
@@ -325,7 +348,6 @@ class StragglerDetector:
             decisions += self._score(at, [p["times"][j] for p in by_rank])
         decisions.sort(key=lambda d: (d.action.severity, d.verdict.rank))
         self.episodes.act(decisions)
-        self.last_decisions = decisions
         return decisions
 
     def _score(self, step: int, rows: Sequence[dict[str, float]]) -> list[Escalation]:
@@ -414,12 +436,15 @@ class StragglerDetector:
 
     def report(self) -> dict[str, Any]:
         """JSON-able figures: per-rank statistics per section, verdicts, noise-level confirmations, decisions."""
+        self.drain()
         return presentation.report(self)
 
     def summary(self, max_rows: int = 16) -> str:
         """A compact table: the slowest ranks, then the verdicts and decisions."""
+        self.drain()
         return presentation.summary(self, max_rows)
 
     def plot(self, path: str | os.PathLike[str]) -> Path | None:
         """PNG of the per-rank compute and data times with the verdicts marked; None without matplotlib."""
+        self.drain()
         return presentation.plot(self, path)

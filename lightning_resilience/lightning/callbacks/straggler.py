@@ -203,6 +203,8 @@ class StragglerDetection(Callback):
             return
         detector.end(FORWARD)  # manual optimization calls none of the hooks in between: the batch is all forward
         decisions = detector.end_step(step)
+        if detector.scoring:
+            return  # rank 0 is scoring on its own thread: its scores and ladder are read once it is done
         self._maybe_log_metrics(trainer, decisions)
         if detector.should_stop and not self._posted:
             assert detector.stop_decision is not None
