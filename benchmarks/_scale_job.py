@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -77,21 +78,36 @@ class Spent:
     """The suite's time on the training thread per step: wall-clock (what the step waits, including the time the
     thread is descheduled) and the thread's CPU time (what the suite's code costs, whatever else runs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, count: bool = False) -> None:
         self.wall: dict[int, float] = {}
         self.cpu: dict[int, float] = {}
+        self.calls: dict[int, int] = {}
+        self.count = count
+        """Count the Python and C calls the suite makes instead (a fit of its own: the profiler slows it)."""
         self.trainer: Trainer | None = None
 
     def wrap(self, original: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            calls = [0]
+
+            def profile(frame: Any, event: str, arg: Any) -> None:
+                if event in ("call", "c_call"):
+                    calls[0] += 1
+
+            if self.count:
+                sys.setprofile(profile)  # this thread only: the agreement and persist threads are not counted
             start, start_cpu = time.perf_counter(), time.thread_time()
             try:
                 return original(*args, **kwargs)
             finally:
+                wall, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+                if self.count:
+                    sys.setprofile(None)
                 if self.trainer is not None:
                     step = self.trainer.global_step
-                    self.wall[step] = self.wall.get(step, 0.0) + time.perf_counter() - start
-                    self.cpu[step] = self.cpu.get(step, 0.0) + time.thread_time() - start_cpu
+                    self.wall[step] = self.wall.get(step, 0.0) + wall
+                    self.cpu[step] = self.cpu.get(step, 0.0) + cpu
+                    self.calls[step] = self.calls.get(step, 0) + calls[0]
 
         return timed
 
@@ -119,12 +135,12 @@ def _time_step_path() -> None:
         setattr(StepPath, name, hook)
 
 
-def fit_once(suite: bool, steps: int, world: int, run_dir: Path) -> dict[str, Any]:
+def fit_once(suite: bool, steps: int, world: int, run_dir: Path, *, count: bool = False) -> dict[str, Any]:
     seed_everything(0)
     data = TensorDataset(torch.randn(64 * world, 8), torch.randn(64 * world, 1))
     clock = Clock(steps)
     callbacks: list[Callback] = [clock]
-    spent = Spent()
+    spent = Spent(count=count)
     ours: list[Callback] = []
     if suite:
         node = compose_resilience(["+resilience=default", f"++resilience.run_dir={run_dir}"])
@@ -165,6 +181,7 @@ def fit_once(suite: bool, steps: int, world: int, run_dir: Path) -> dict[str, An
         out["driver_s_by_step"] = {str(k): v for k, v in s.driver.stats.recent}
         out["suite_s_by_step"] = {str(k): v for k, v in sorted(spent.wall.items())}
         out["suite_cpu_s_by_step"] = {str(k): v for k, v in sorted(spent.cpu.items())}
+        out["suite_calls_by_step"] = {str(k): v for k, v in sorted(spent.calls.items())}
         stats = s.driver.agreement.stats
         out["agreement"] = {"rounds": stats.rounds, "late": stats.waits, "waited_s": stats.waited_seconds}
     return out
@@ -204,8 +221,10 @@ def main() -> None:
     for turn in range(args.turns):
         for suite in (False, True) if turn % 2 == 0 else (True, False):
             fits.append({"turn": turn, **fit_once(suite, args.steps, world, out / f"run{turn}")})
+    counted = fit_once(True, args.steps, world, out / "counted", count=True)
     result = {
         "rank": rank,
+        "calls_by_step": counted["suite_calls_by_step"],
         "world": world,
         "fits": fits,
         "reduce_s": _rounds("reduce", args.rounds, 16),

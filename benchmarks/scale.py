@@ -113,6 +113,7 @@ def summarize_n(n: int, ranks: list[dict[str, Any]], steps: int) -> dict[str, An
     fds: dict[bool, list[int]] = {False: [], True: []}
     first: dict[bool, list[float]] = {False: [], True: []}
     late = rounds = 0
+    calls = [c for res in ranks for c in _ordinary(res["calls_by_step"], steps)]
     for res in ranks:
         seen: set[bool] = set()
         for fit in res["fits"]:
@@ -147,6 +148,7 @@ def summarize_n(n: int, ranks: list[dict[str, Any]], steps: int) -> dict[str, An
             "median": statistics.median(cpu_ms),
             "p99": _pct(cpu_ms, 99),
         },
+        "suite_calls": {"median": statistics.median(calls), "mean": statistics.fmean(calls), "max": max(calls)},
         "rank0_suite_ms_mean": statistics.fmean(rank0_ms) if rank0_ms else None,
         "period_ms": {
             "without": {"mean": 1e3 * mean[False], "p99": 1e3 * _pct(periods[False], 99)},
@@ -280,19 +282,32 @@ def _slope(rows: list[dict[str, Any]], key: str, stat: str) -> tuple[float, floa
 def assess(result: dict[str, Any], alpha_cluster_s: float) -> dict[str, Any]:
     """The slopes, the latency model and the targets of a run's rows (``--from``: again, from a saved run).
 
-    Flatness is judged on the median of the suite's CPU time per step (its code, whatever else the cores run): with
-    N processes on 2 cores the wall time holds the time a rank is descheduled, and the CPU time's mean holds its
-    tail (a thread that loses its cache to 15 others); both are shown beside it."""
+    Whether the suite's work on the training thread grows with N is judged on what the load cannot move: the Python
+    and C calls it makes per ordinary step (mean: the periodic work counts too). Its times are judged too, and
+    shown: with N processes on 2 cores the wall time holds the time a rank is descheduled, and even the thread's CPU
+    time grows with the contention (cache and scheduler work charged to the thread)."""
     rows = result["rows"]
+    counted = all("suite_calls" in r for r in rows)
     slopes = {
         "cpu_median": _slope(rows, "suite_cpu_ms", "median"),
         "cpu_mean": _slope(rows, "suite_cpu_ms", "mean"),
         "wall_mean": _slope(rows, "suite_ms", "mean"),
     }
-    result["slopes"] = {k: {"ms_per_rank": v[0], "ms_at_2": v[1], "relative": v[0] / v[1]} for k, v in slopes.items()}
+    if counted:
+        slopes["calls_mean"] = _slope(rows, "suite_calls", "mean")
+        slopes["calls_median"] = _slope(rows, "suite_calls", "median")
+    result["slopes"] = {k: {"per_rank": v[0], "at_2": v[1], "relative": v[0] / v[1]} for k, v in slopes.items()}
     result["model"] = model(rows, alpha_cluster_s)
     rel = result["slopes"]
     result["targets"] = [
+        target(
+            f"suite calls per ordinary step on the training thread, {stat}: slope per rank / value at 2 ranks",
+            rel[f"calls_{stat}"]["relative"] if counted else None,
+            "<=",
+            0.01,
+        )
+        for stat in ("mean", "median")
+    ] + [
         target(
             "suite CPU time per ordinary step, median: slope per rank / value at 2 ranks",
             rel["cpu_median"]["relative"],
@@ -330,6 +345,7 @@ def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
             f"{row['suite_ms']['mean']:.2f}",
             f"{row['suite_ms']['p99']:.2f}",
             f"{row['suite_cpu_ms']['mean']:.2f}",
+            f"{row['suite_calls']['mean']:.0f} / {row['suite_calls']['max']}" if "suite_calls" in row else "-",
             f"{row['period_ms']['without']['mean']:.1f}",
             f"{row['period_ms']['with']['mean']:.1f}",
             f"{100 * row['period_ms']['slowdown_mean']:+.0f}%",
@@ -347,6 +363,7 @@ def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
                 "suite ms/step (mean)",
                 "suite p99",
                 "suite CPU ms/step",
+                "suite calls/step (mean / most)",
                 "step ms without",
                 "step ms with",
                 "slowdown",
@@ -363,8 +380,14 @@ def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
         "",
         "Suite time per ordinary step against N (least-squares slope per rank, and the line at 2 ranks): "
         + "; ".join(
-            f"{label} {r['slopes'][k]['ms_per_rank'] * 1e3:.1f} us per rank, {r['slopes'][k]['ms_at_2']:.2f} ms at 2"
+            f"{label} {r['slopes'][k]['per_rank'] * 1e3:.1f} us per rank, {r['slopes'][k]['at_2']:.2f} ms at 2"
             for k, label in (("cpu_median", "CPU median"), ("cpu_mean", "CPU mean"), ("wall_mean", "wall mean"))
+        )
+        + (
+            f"; calls per step: mean {r['slopes']['calls_mean']['per_rank']:.2f} per rank, "
+            f"{r['slopes']['calls_mean']['at_2']:.0f} at 2"
+            if "calls_mean" in r["slopes"]
+            else ""
         )
         + ". The wall time holds the time the training thread is descheduled while N processes share the cores "
         "(N / 2 per core here) and any wait for a round that outlasts the step. "
@@ -409,7 +432,7 @@ def readme_summary(r: dict[str, Any]) -> str:
         f"* **scale** (gloo ranks on loopback, trivial model, default preset, CPU): the suite's own time per ordinary "
         f"step is {first['suite_ms']['mean']:.2f} ms at {first['ranks']} ranks and {last['suite_ms']['mean']:.2f} ms "
         f"at {last['ranks']} (CPU time {first['suite_cpu_ms']['mean']:.2f} and {last['suite_cpu_ms']['mean']:.2f} "
-        f"ms, its median's slope {r['slopes']['cpu_median']['ms_per_rank'] * 1e3:.1f} us per rank); it adds "
+        f"ms, its median's slope {r['slopes']['cpu_median']['per_rank'] * 1e3:.1f} us per rank); it adds "
         f"{max(x['fds_per_rank']['added'] for x in rows)} file descriptors per rank at most{tail}."
     )
 
