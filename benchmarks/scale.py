@@ -429,7 +429,7 @@ def readme_summary(r: dict[str, Any]) -> str:
         else ""
     )
     return (
-        f"* **scale** (gloo ranks on loopback, trivial model, default preset, CPU): the suite's own time per ordinary "
+        f"**scale** (gloo ranks on loopback, trivial model, default preset, CPU): the suite's own time per ordinary "
         f"step is {first['suite_ms']['mean']:.2f} ms at {first['ranks']} ranks and {last['suite_ms']['mean']:.2f} ms "
         f"at {last['ranks']} (CPU time {first['suite_cpu_ms']['mean']:.2f} and {last['suite_cpu_ms']['mean']:.2f} "
         f"ms, its median's slope {r['slopes']['cpu_median']['per_rank'] * 1e3:.1f} us per rank); it adds "

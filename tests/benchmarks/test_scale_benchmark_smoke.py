@@ -32,4 +32,4 @@ def test_scale_benchmark_measures_the_suite_per_step_and_predicts_at_scale(tmp_p
     assert {p["ranks"] for p in r["model"]["predictions"]} == set(PREDICT_AT)
     assert all(p["round_ms"] > 0 for p in r["model"]["predictions"])
     assert len(r["targets"]) == 6 and "load" in r["machine"]
-    assert "suite CPU ms/step" in render_markdown(r) and readme_summary(r).startswith("* **scale**")
+    assert "suite CPU ms/step" in render_markdown(r) and readme_summary(r).startswith("**scale**")
