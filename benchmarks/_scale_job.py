@@ -89,12 +89,12 @@ class Spent:
     def wrap(self, original: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
             calls = [0]
-
-            def profile(frame: Any, event: str, arg: Any) -> None:
-                if event in ("call", "c_call"):
-                    calls[0] += 1
-
             if self.count:
+
+                def profile(frame: Any, event: str, arg: Any) -> None:
+                    if event in ("call", "c_call"):
+                        calls[0] += 1
+
                 sys.setprofile(profile)  # this thread only: the agreement and persist threads are not counted
             start, start_cpu = time.perf_counter(), time.thread_time()
             try:

@@ -87,8 +87,6 @@ def _launch(n: int, out: Path, steps: int, turns: int, rounds: int, timeout_s: f
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
-        log = out / "stderr.txt"
-        log.write_text(proc.stderr)
         kept = Path(tempfile.gettempdir()) / f"scale_{n}_ranks_stderr.txt"
         kept.write_text(proc.stderr)
         raise RuntimeError(f"scale job with {n} ranks failed (its whole stderr: {kept}): {proc.stderr[-3000:]}")
