@@ -106,13 +106,16 @@ drills-loaders: $(STAMP)
 # (drill i from seed SEED + i; replay one with N=1 SEED=<its seed>), checked bitwise and for lost steps, corrupt
 # loads, deadlines and leftover processes. FAULTS=kind,kind draws from those kinds only; PUBLISH=1 writes
 # docs/results/drill_campaign_<SEED>.json and regenerates the table of docs/reliability.md from every published one.
+# VARIANT=in-process runs the default preset with the RAM snapshot held in the process (the "before" of the
+# before-and-after table, published beside a campaign of the default at the same commit and FAULTS).
 N ?= 10
 SEED ?= $(shell date +%Y%m%d)
 FAULTS ?=
 PUBLISH ?=
+VARIANT ?=
 drills: $(STAMP)
 	$(BIN)/python -m tests.drills.campaign --n $(N) --seed $(SEED) $(if $(FAULTS),--faults $(FAULTS)) \
-		$(if $(PUBLISH),--publish)
+		$(if $(VARIANT),--variant $(VARIANT)) $(if $(PUBLISH),--publish)
 
 # The five stall paths of docs/reliability.md, before and after: tests/checkpoint/stalls_093449b.py replays the
 # scenarios of tests/checkpoint/test_stalls.py on commit 093449b (a temporary worktree; each must hang or fail

@@ -12,7 +12,8 @@ time; a fresh engine then restores from the disk (timed, ``load_state_dict`` exc
 costs as they are (the step time too) for a RAM tier (lost with its process) and a disk tier taken as durable shared
 storage at the measured write cost, and simulates a job of ``--days`` days at a job MTBF of 1 h and 8 h measured at
 1,024 ranks (Kokolis et al.'s way: the failure rate grows with the ranks), at 1,024 and 16,384 ranks, with the
-simulator's default failure mix and restart costs. Cadences compared: both chosen by the budget (the simulator
+simulator's default failure mix and restart costs; the disk tier keeps the checkpoints of the SDC detection window
+(an hour in that mix). Cadences compared: both chosen by the budget (the simulator
 calls the engine's own cadence function with the job MTBF at that scale), and fixed: RAM every step with the disk
 every 10 (the default preset), 100 or 1,000 steps.
 """
@@ -20,6 +21,7 @@ every 10 (the default preset), 100 or 1,000 steps.
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import sys
 import tempfile
@@ -58,6 +60,7 @@ from lightning_resilience.sim.config import (
     JobConfig,
     SimConfig,
     SimTierConfig,
+    default_failure_kinds,
 )
 from lightning_resilience.sim.engine import simulate_many
 
@@ -74,6 +77,8 @@ MTBF_H = (1.0, 8.0)
 RANKS = (1024, 16384)
 FIXED = {"preset (RAM 1, disk 10)": (1, 10), "RAM 1, disk 100": (1, 100), "RAM 1, disk 1000": (1, 1000)}
 BUDGETED = "budget (both chosen)"
+SDC_WINDOW_S = max(k.detection_s for k in default_failure_kinds() if k.name == "sdc")
+"""How late the simulator's failure mix finds an SDC: the durable tier keeps this much training (see ``_config``)."""
 TOLERANCE = 0.005
 """The budgeted cadence's ETTR within half a point of the best fixed one."""
 
@@ -162,13 +167,19 @@ def _config(
             durability=Durability.remote,
         ),
     ]
-    return SimConfig(
+    cfg = SimConfig(
         cluster=ClusterConfig(gpus=ranks),
         failures=FailureConfig(mttf_s=mtbf_h * HOUR, ref_gpus=1024),
         tiers=tiers,
         job=JobConfig(step_s=costs["step_s"], horizon_s=args.days * DAY),
         overhead_budget=args.budget,
     )
+    # the durable tier keeps the checkpoints of the SDC detection window (as a job that finds corruption late must):
+    # with the default keep of 2, every SDC found an hour late would send every variant back to step 0, and the
+    # comparison would measure that retention, not the cadence
+    disk = next(c for c in cfg.cadences() if c.name == "disk")
+    tiers[1].keep = max(2, math.ceil(SDC_WINDOW_S / (disk.every_n_steps * costs["step_s"])) + 1)
+    return cfg
 
 
 def simulate(costs: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -188,6 +199,7 @@ def simulate(costs: dict[str, Any], args: argparse.Namespace) -> list[dict[str, 
                         {"tier": c.name, "every_n_steps": c.every_n_steps, "set_by": c.set_by, "reason": c.reason}
                         for c in cfg.cadences()
                     ],
+                    "disk_keep": cfg.tiers[1].keep,
                     "breakdown_fraction": mc.breakdown_fractions(),
                 }
             fixed = {n: v["ettr_mean"] for n, v in point["variants"].items() if n != BUDGETED}
@@ -265,7 +277,9 @@ def render_markdown(r: dict[str, Any]) -> str:
         f"(never counted below a snapshot), a write takes {fmt_ms(c['write_s'])}, a restore from the disk "
         f"{fmt_ms(c['disk_restore_s'])}. Simulated: {cfg['days']:g}-day jobs, {cfg['replications']} replications "
         "each (mean ± standard error), the simulator's default failure mix and restart costs; the disk tier stands "
-        "for durable shared storage at the measured write cost.",
+        "for durable shared storage at the measured write cost, keeping the checkpoints of the last "
+        f"{SDC_WINDOW_S / 3600:g} h (the failure mix finds an SDC that late; with two kept, every SDC would send "
+        "every variant back to step 0).",
         "",
         md_table(["MTBF at 1,024 ranks", "ranks", "job MTBF", *variants, "budget - best fixed"], rows),
         "",

@@ -27,12 +27,15 @@ Framework-free, standard library only.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["DEFAULT_SUBDIR", "RUN_DIR_ENV", "LaunchDir", "RunDir"]
+
+log = logging.getLogger(__name__)
 
 RUN_DIR_ENV = "LIGHTNING_RESILIENCE_RUN_DIR"
 """Set by ``lightning-resilience launch`` in every worker: the run directory the launcher reads."""
@@ -105,10 +108,20 @@ class RunDir:
 
     @classmethod
     def resolve(cls, explicit: str | os.PathLike[str] | None, default_root_dir: str | os.PathLike[str]) -> RunDir:
-        """The run directory of a component: its own setting, else the launcher's, else under ``default_root_dir``."""
-        if explicit:
-            return cls(Path(explicit))
+        """The run directory of a component: its own setting, else the launcher's, else under ``default_root_dir``.
+
+        A setting of its own that is not the launcher's is honoured with a warning: the launcher reads its run
+        directory only, so it will not see the fault notes, progress and verdicts written elsewhere."""
         launched = os.environ.get(RUN_DIR_ENV)
+        if explicit:
+            if launched and os.path.realpath(explicit) != os.path.realpath(launched):
+                log.warning(
+                    "run_dir %s is not the launcher's run directory %s: the launcher will not see the fault notes, "
+                    "progress records and verdicts written there (leave run_dir unset to use the launcher's)",
+                    explicit,
+                    launched,
+                )
+            return cls(Path(explicit))
         if launched:
             return cls(Path(launched))
         return cls(Path(default_root_dir) / DEFAULT_SUBDIR)

@@ -33,6 +33,9 @@ class Digest(Protocol):
     """Computes, combines and compares per-tensor digests (rows of a ``[n, width]`` tensor)."""
 
     width: int
+    exact: bool
+    """Equal digests are equal bits: two stacks are equal exactly when their bytes are (a hash of them can stand in
+    for them in an agreement between ranks)."""
 
     def compute(self, tensor: torch.Tensor | None) -> torch.Tensor:
         """The digest of one tensor, shape ``[width]`` on the tensor's device (nothing is read to the host);
@@ -62,6 +65,7 @@ class BitwiseDigest:
 
     width = 3
     row = 256
+    exact = True
 
     def compute(self, tensor: torch.Tensor | None) -> torch.Tensor:
         if tensor is None or tensor.numel() == 0:
@@ -97,6 +101,7 @@ class ToleranceDigest:
     """Float64 sum, sum of squares and largest magnitude; equal within ``rtol``/``atol`` (NaN equals NaN)."""
 
     width = 3
+    exact = False
 
     def __init__(self, rtol: float = 1e-5, atol: float = 1e-8) -> None:
         self.rtol = rtol

@@ -44,8 +44,6 @@ __all__ = ["SDCMonitor", "SDCStats", "StepOutcome"]
 
 log = logging.getLogger(__name__)
 
-_PARAM_GUARDS = PARAM_GUARDS
-
 
 @dataclass
 class SDCStats:
@@ -284,7 +282,7 @@ class SDCMonitor:
             start = self._clock()
             report = self._observe_guards()
             assert report is not None
-            fired = [f for f in report.fired if f not in _PARAM_GUARDS]
+            fired = [f for f in report.fired if f not in PARAM_GUARDS]
             if len(fired) < len(report.fired):
                 self._force_reconcile = True
             self._fired = [report] if fired else []
@@ -327,7 +325,7 @@ class SDCMonitor:
             self._record(out, SDCEvent(out.step, "guard:param_norm_jump", Diagnosis.ANOMALY, detail=detail))
         elif self.world_size > 1 and not self.dirty and (force or self._due(self.config.reconcile_every_n_steps)):
             start = self._clock()
-            ballot, differing = self.reconciler.reconcile(self._gather_tensor)
+            ballot, differing = self.reconciler.reconcile(self._gather, self._all_same)
             self.stats.reconcile_rounds += 1
             self._step_checked = True
             if ballot.dissent or not ballot.decided:
@@ -396,8 +394,10 @@ class SDCMonitor:
             return [obj]
         return self._group.all_gather_object(obj, op="sdc.gather", step=self._step, any_type=True)
 
-    def _gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return [t for t in self._gather(tensor)]  # shapes may differ between ranks (different state layouts)
+    def _all_same(self, key: int) -> bool:
+        """Whether every rank holds ``key`` (>= 0): one all-reduce of two integers, the same at any number of ranks."""
+        high, neg_low = self._group.reduce_max_each([key, -key], op="sdc.reconcile", step=self._step)
+        return high == -neg_low
 
     def _any(self, flag: bool) -> bool:
         return self._any_of(flag)[0]

@@ -117,7 +117,7 @@ class ReplayRound:
     ) -> None:
         if self.m.world_size > 1 and any(b.verdict is not Diagnosis.CLEAN for b in ballots.values()):
             # a replay on another rank proves something only if the replicas are identical: check that first
-            ballot, differing = self.m.reconciler.reconcile(self.m._gather_tensor)
+            ballot, differing = self.m.reconciler.reconcile(self.m._gather, self.m._all_same)
             self.m.stats.reconcile_rounds += 1
             if ballot.dissent or not ballot.decided:
                 self.m._diverged(out, ballot, differing)

@@ -89,6 +89,9 @@ CHECKPOINTS = ("local", "tiered", "s3")
 """``--checkpoint``: the checkpoint preset of ``resilience=default`` (``local``) or ``resilience/checkpoint=tiered``
 (RAM, a peer tier every 5 steps with each of the 2 ranks its own node, local disk every 20 steps) or
 ``resilience/checkpoint=tiered_s3`` (RAM, local disk and an S3 store, both every 10 steps)."""
+OVERRIDES_ENV = "DRILL_OVERRIDES"
+"""More Hydra overrides of the default preset for every launch of a drill (whitespace-separated): a campaign's
+variant, e.g. the RAM tier held in the process (``resilience.checkpoint.tiers.0.shared_memory=false``)."""
 PERSIST_EVERY = 10  # the local tier's cadence in the default preset (configs/resilience/checkpoint/local.yaml)
 START_LIMIT_S = 20.0  # a submitted persist reaches the disk within milliseconds
 Restored = Callable[[Trainer], "int | tuple[int | None, str | None] | None"]

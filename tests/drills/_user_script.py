@@ -44,6 +44,7 @@ from lightning_resilience.lightning.suite import build_suite
 from tests.drills._s3_outage import CONTROL_ENV, ENDPOINT_ENV, committed_in_store, request_outage, storage_overrides
 from tests.drills._train_script import _StallingSnapshot
 from tests.drills._user_code import (
+    OVERRIDES_ENV,
     PERSIST_EVERY,
     AugmentedPoints,
     Fault,
@@ -66,6 +67,7 @@ def default_preset_callbacks(run_dir: Path, checkpoint: str = "local") -> list[C
         overrides += ["resilience/checkpoint=tiered", "+resilience.checkpoint.tiers.1.ranks_per_node=1"]
     elif checkpoint == "s3":
         overrides += storage_overrides(os.environ[ENDPOINT_ENV], run_dir.name, PERSIST_EVERY)
+    overrides += os.environ.get(OVERRIDES_ENV, "").split()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("pretrain_gpt", overrides=overrides)
     return build_suite(cfg.resilience)

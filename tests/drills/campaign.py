@@ -41,7 +41,7 @@ import torch
 from tests.drills._harness import ROOT, Drill, DrillResult, first_difference, run_drill
 from tests.drills._s3_outage import S3Outages
 from tests.drills._tmpfs import TmpfsUnavailable, tmpfs
-from tests.drills._user_code import FAULTS, PERSIST_EVERY
+from tests.drills._user_code import FAULTS, OVERRIDES_ENV, PERSIST_EVERY
 
 STEPS = 40
 PEER_EVERY = 5  # the peer tier's cadence in configs/resilience/checkpoint/tiered.yaml
@@ -69,6 +69,11 @@ _KILLS = tuple(
     or f in ("node-loss", "ram-loss", "corrupt-shard", "truncate-shard", "enospc", "disk-full")
 )
 """Faults that kill a rank at a step: the steps recomputed after them are counted."""
+VARIANTS = {"in-process": "resilience.checkpoint.tiers.0.shared_memory=false"}
+"""Campaign variants (``VARIANT=`` of the make target) and the overrides of the default preset each runs with. A
+variant's campaign is published beside a campaign of the default at the same commit, as the "before" of a
+before-and-after table: ``in-process`` holds the every-step RAM snapshot in the process, as releases before the
+shared-memory snapshot did, so a killed rank resumes from the disk cadence."""
 FULL_DISK_UNAVAILABLE = "the full disk could not be set up"
 """The problem of a ``disk-full`` drill where no tmpfs can be mounted (the CI subset skips it)."""
 LEFTOVER_GRACE_S = 15.0
@@ -121,17 +126,23 @@ class Outcome:
     run_dir: str = ""
     faults: str = ""
     """The campaign's fault filter (``FAULTS=`` of the make target; empty: every kind)."""
+    variant: str = ""
+    """The campaign's variant (:data:`VARIANTS`; empty: the default preset as shipped)."""
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
     def replay(self) -> str:
-        return replay_command(self.seed, self.faults)
+        return replay_command(self.seed, self.faults, variant=self.variant)
 
 
-def replay_command(seed: int, faults: str = "", n: int = 1) -> str:
-    return f"make drills N={n} SEED={seed}" + (f" FAULTS={faults}" if faults else "")
+def replay_command(seed: int, faults: str = "", n: int = 1, variant: str = "") -> str:
+    return (
+        f"make drills N={n} SEED={seed}"
+        + (f" FAULTS={faults}" if faults else "")
+        + (f" VARIANT={variant}" if variant else "")
+    )
 
 
 def _faults(run_dir: Path) -> list[dict[str, Any]]:
@@ -219,18 +230,20 @@ def check(result: DrillResult, reference: dict[str, torch.Tensor], outcome: Outc
 class References:
     """One uninterrupted run per loader configuration, run on first use and kept for the campaign."""
 
-    def __init__(self, root: Path, steps: int = STEPS) -> None:
-        self.root, self.steps = root, steps
+    def __init__(self, root: Path, steps: int = STEPS, variant: str = "") -> None:
+        self.root, self.steps, self.variant = root, steps, variant
         self._weights: dict[Drill, dict[str, torch.Tensor]] = {}
         self._store: S3Outages | None = None
 
     def env(self, drill: Drill) -> dict[str, str]:
-        """What the drill's launches need in their environment: the S3 store, started on first use."""
+        """What the drill's launches need in their environment: the variant's overrides, the S3 store (started on
+        first use)."""
+        env = {OVERRIDES_ENV: VARIANTS[self.variant]} if self.variant else {}
         if drill.checkpoint != "s3":
-            return {}
+            return env
         if self._store is None:
             self._store = S3Outages(self.root)
-        return self._store.env
+        return self._store.env | env
 
     def close(self) -> None:
         if self._store is not None:
@@ -255,6 +268,7 @@ def run_one(seed: int, references: References, root: Path, faults: tuple[str, ..
     run_dir = root / f"drill_{seed}"
     outcome = Outcome(seed, drill.fault, drill.rank, drill.step, drill.workers, drill.checkpoint, run_dir=str(run_dir))
     outcome.faults = "" if set(faults) == set(FAULTS[1:]) else ",".join(faults)
+    outcome.variant = references.variant
     start = time.perf_counter()
     disk = tmpfs(run_dir / "ckpt") if drill.fault == "disk-full" else contextlib.nullcontext()
     try:
@@ -291,17 +305,18 @@ def run_campaign(
     steps: int = STEPS,
     faults: tuple[str, ...] = FAULTS[1:],
     log: Any = print,
+    variant: str = "",
 ) -> list[Outcome]:
     """Drills ``seed .. seed + n - 1``, one after the other; each outcome is logged as it ends and the results file
     is rewritten after every drill (a campaign cut short still leaves what ran)."""
     root.mkdir(parents=True, exist_ok=True)
-    references = References(root, steps)
+    references = References(root, steps, variant)
     outcomes: list[Outcome] = []
     start = time.perf_counter()
     with contextlib.closing(references):
         for index in range(n):
             outcomes.append(_run_logged(seed, index, n, references, root, faults, log))
-            _write_results(results_path, seed, n, steps, outcomes, time.perf_counter() - start)
+            _write_results(results_path, seed, n, steps, outcomes, time.perf_counter() - start, variant)
     return outcomes
 
 
@@ -329,13 +344,17 @@ def _commit() -> str | None:
     return out.stdout.strip() or None
 
 
-def _write_results(path: Path, seed: int, n: int, steps: int, outcomes: list[Outcome], elapsed_s: float) -> None:
+def _write_results(
+    path: Path, seed: int, n: int, steps: int, outcomes: list[Outcome], elapsed_s: float, variant: str = ""
+) -> None:
     results = {
         "commit": _commit(),
         "seed": seed,
         "n": n,
         "steps": steps,
-        "command": replay_command(seed, outcomes[0].faults, n),
+        "variant": variant,
+        "overrides": VARIANTS.get(variant, ""),
+        "command": replay_command(seed, outcomes[0].faults, n, variant),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "machine": f"{psutil.cpu_count()} CPU cores (shared), 2 ranks (gloo)",
         "elapsed_s": round(elapsed_s, 1),
@@ -391,6 +410,50 @@ def table(campaigns: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _kind_figures(drills: list[dict[str, Any]]) -> tuple[str, str, str]:
+    times = [d["recovery_s"] for d in drills if d["recovery_s"] is not None]
+    redone = [n for d in drills for n in d.get("recomputed") or []]
+    passed = f"{sum(not d['problems'] for d in drills)}/{len(drills)}"
+    median = f"{statistics.median(times):.1f}" if times else "-"
+    lost = f"{statistics.median(redone):.0f} / {max(redone)}" if redone else "-"
+    return passed, median, lost
+
+
+def _filter(campaign: dict[str, Any]) -> str:
+    return str(campaign["drills"][0].get("faults", "")) if campaign["drills"] else ""
+
+
+def before_after(campaigns: list[dict[str, Any]]) -> list[str]:
+    """For each variant campaign (:data:`VARIANTS`): a table of it ("before") against the default campaigns of the
+    same commit and fault filter ("after"), per fault kind drawn in both."""
+    lines: list[str] = []
+    for before in (c for c in campaigns if c.get("variant")):
+        after = [
+            c
+            for c in campaigns
+            if not c.get("variant") and c.get("commit") == before.get("commit") and _filter(c) == _filter(before)
+        ]
+        if not after:
+            continue
+        lines += [
+            "",
+            f"Before and after at commit {before.get('commit')}: `{before['command']}` (before: "
+            f"`{before.get('overrides')}`) against " + ", ".join(f"`{c['command']}`" for c in after) + " (after).",
+            "",
+            "| fault | passed, before | passed, after | fault to first good step, median (s), before | after "
+            "| steps recomputed, median / max, before | after |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        drawn_after = [d for c in after for d in c["drills"]]
+        for kind in FAULTS[1:]:
+            b = [d for d in before["drills"] if d["fault"] == kind]
+            a = [d for d in drawn_after if d["fault"] == kind]
+            if b and a:
+                (pb, mb, lb), (pa, ma, la) = _kind_figures(b), _kind_figures(a)
+                lines.append(f"| {kind} | {pb} | {pa} | {mb} | {ma} | {lb} | {la} |")
+    return lines
+
+
 def earlier(campaigns: list[dict[str, Any]]) -> list[str]:
     """One line per campaign of an earlier commit (kept for the record, not in the table), failures with replays."""
     lines = ["", "Earlier campaigns, on earlier commits (`docs/results/earlier/`):", ""]
@@ -407,9 +470,13 @@ def earlier(campaigns: list[dict[str, Any]]) -> list[str]:
 def rendered(text: str, results_dir: Path = RESULTS_DIR) -> str:
     """``text`` (docs/reliability.md) with its campaign block regenerated from every results file in
     ``results_dir`` (the table) and in ``results_dir/earlier`` (a line each)."""
-    campaigns = [json.loads(p.read_text()) for p in sorted(results_dir.glob("drill_campaign_*.json"))]
+    published = [json.loads(p.read_text()) for p in sorted(results_dir.glob("drill_campaign_*.json"))]
+    campaigns = [c for c in published if not c.get("variant")]  # a variant is a "before", not the product
     old = [json.loads(p.read_text()) for p in sorted((results_dir / "earlier").glob("drill_campaign_*.json"))]
     block = table(campaigns) if campaigns else f"{BEGIN}\nNo campaign published yet.\n{END}"
+    compared = before_after(published)
+    if compared:
+        block = block[: -len(END)].rstrip("\n") + "\n" + "\n".join(compared) + "\n" + END
     if old:
         block = block[: -len(END)].rstrip("\n") + "\n" + "\n".join(earlier(old)) + "\n" + END
     start, end = text.index(BEGIN), text.index(END) + len(END)
@@ -419,6 +486,10 @@ def rendered(text: str, results_dir: Path = RESULTS_DIR) -> str:
 def publish(results_dir: Path = RESULTS_DIR, docs: Path = DOCS) -> None:
     """Regenerate the campaign table of ``docs`` from every results file in ``results_dir``."""
     docs.write_text(rendered(docs.read_text(), results_dir))
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -433,6 +504,9 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--docs-only", action="store_true", help="regenerate the table from the published results")
     parser.add_argument("--root", type=Path, default=None, help="where the drills run (default: a temporary dir)")
+    parser.add_argument(
+        "--variant", default="", choices=["", *VARIANTS], help="run the default preset with a variant's overrides"
+    )
     args = parser.parse_args(argv)
     if args.docs_only:
         publish()
@@ -444,9 +518,10 @@ def main(argv: list[str]) -> int:
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     print(f"drill campaign: {args.n} drills from seed {seed} (replay one: make drills N=1 SEED=<its seed>)", flush=True)
     root = args.root or Path(tempfile.mkdtemp(prefix="drills_"))
-    path = args.results or (RESULTS_DIR / f"drill_campaign_{seed}.json" if args.publish else root / "results.json")
+    name = f"drill_campaign_{seed}" + (f"_{args.variant}" if args.variant else "") + ".json"
+    path = args.results or (RESULTS_DIR / name if args.publish else root / "results.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    outcomes = run_campaign(seed, args.n, root, path, args.steps, faults, log=lambda line: print(line, flush=True))
+    outcomes = run_campaign(seed, args.n, root, path, args.steps, faults, log=_print, variant=args.variant)
     print(table([json.loads(path.read_text())]))
     print(f"results: {path}; drills ran in {root}")
     if args.publish:

@@ -25,6 +25,7 @@ from tests.drills.campaign import (
     FULL_DISK_UNAVAILABLE,
     Outcome,
     References,
+    before_after,
     check,
     draw,
     leftovers,
@@ -50,6 +51,27 @@ def test_every_fault_kind_can_be_drawn() -> None:
 def test_the_docs_table_is_generated_from_the_published_results() -> None:
     text = DOCS.read_text()
     assert rendered(text) == text, "docs/reliability.md is stale: run `python -m tests.drills.campaign --docs-only`"
+
+
+def _campaign(commit: str, variant: str, recovery: float, recomputed: int, faults: str = "sigkill") -> dict:
+    drill = {"fault": "sigkill", "problems": [], "recovery_s": recovery, "recomputed": [recomputed], "faults": faults}
+    return {"commit": commit, "variant": variant, "overrides": "x=1" if variant else "", "command": "make drills",
+            "drills": [drill, drill]}  # fmt: skip
+
+
+def test_a_variant_is_set_against_the_default_of_the_same_commit_and_filter(tmp_path: Path) -> None:
+    before, after = _campaign("abc", "in-process", 8.0, 7), _campaign("abc", "", 2.5, 1)
+    other_commit, other_filter = _campaign("def", "", 1.0, 0), _campaign("abc", "", 1.0, 0, faults="node-loss")
+    lines = before_after([before, after, other_commit, other_filter])
+    assert "| sigkill | 2/2 | 2/2 | 8.0 | 2.5 | 7 / 7 | 1 / 1 |" in lines
+    assert sum(line.startswith("| sigkill") for line in lines) == 1
+    assert before_after([before, other_commit]) == []  # nothing to compare with: no table
+    extra = {"seed": 1, "n": 2, "steps": 40, "elapsed_s": 60, "machine": "m", "date": "d"}
+    for name, campaign in (("1_in-process", before), ("1", after)):
+        (tmp_path / f"drill_campaign_{name}.json").write_text(json.dumps(campaign | extra))
+    out = rendered("<!-- drill-campaign:begin -->\n<!-- drill-campaign:end -->", results_dir=tmp_path)
+    assert "| sigkill | 2 | 2 | 0 | 2.5 | 2.5 |" in out  # the table holds the default's drills only
+    assert "| sigkill | 2/2 | 2/2 | 8.0 | 2.5 | 7 / 7 | 1 / 1 |" in out
 
 
 def _fake_run(run_dir: Path, restored: int | None, damaged: int | None, weights: torch.Tensor) -> DrillResult:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_resilience.collective import set_fault_hook
 from lightning_resilience.sdc.config import SDCConfig
 from lightning_resilience.sdc.inject import FlipSpec
 from lightning_resilience.testing.faults import FaultPlan
@@ -71,6 +72,38 @@ def test_diverged_replica_is_named_by_a_majority_of_three_and_by_nobody_of_two(
     results = run_ranks(_scenario, world, tmp_path, plan, None)
     assert _summary(results) == [(4, verdict, "rollback", suspects)]
     assert all(r["dirty"] and r["rollback"] == 3 for r in results)  # newest step verified on every rank
+
+
+def _counted(rank: int, plan: list[FlipSpec]) -> dict[str, Any]:
+    ops: dict[str, int] = {}
+
+    def count(op: str, _rank: int, _step: int | None) -> None:
+        ops[op] = ops.get(op, 0) + 1
+
+    set_fault_hook(count)
+    try:
+        _, _, monitor = train(STEPS, SDCConfig(replay_every_n_steps=0, reconcile_every_n_steps=1), rank=rank,
+                              ddp=True, plan=plan)  # fmt: skip
+    finally:
+        set_fault_hook(None)
+    assert monitor is not None
+    return {"ops": ops, "events": [e.to_json() for e in monitor.events], "rounds": monitor.stats.reconcile_rounds}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_clean_reconciliation_sends_one_hash_and_gathers_nothing(tmp_path: Path, world: int) -> None:
+    results = run_ranks(_counted, world, tmp_path, [])
+    for r in results:
+        assert r["rounds"] == STEPS and r["events"] == []
+        assert r["ops"].get("sdc.reconcile") == STEPS  # one all-reduce of two integers a round, at any N
+        assert r["ops"].get("sdc.gather", 0) == 1  # the hosts, once at setup: no digests travel on a clean round
+
+
+def test_replicas_whose_hashes_differ_gather_their_digests_and_vote(tmp_path: Path) -> None:
+    plan = [FlipSpec("optim", step=3, rank=1, bit_class="mantissa_low", seed=4)]
+    results = run_ranks(_counted, 3, tmp_path, plan)
+    assert _summary(results) == [(4, "diverged", "rollback", [1])]
+    assert all(r["ops"].get("sdc.gather", 0) == 2 for r in results)  # setup, and the one round that differed
 
 
 def test_faulty_device_is_named_persistent(tmp_path: Path) -> None:

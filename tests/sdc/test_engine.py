@@ -172,3 +172,32 @@ def test_guard_read_late_replays_the_next_step_and_keeps_the_update() -> None:
     [event] = monitor.events
     assert (event.step, event.verdict, event.action) == (11, Diagnosis.ANOMALY, "none")
     assert "loss_spike@10" in event.mechanism
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_reconciler_agrees_on_a_hash_only_with_an_exact_digest(exact: bool) -> None:
+    from lightning_resilience.sdc.reconcile import ReplicaReconciler, digest_key
+
+    model, opt = make_model()
+    digest = BitwiseDigest() if exact else ToleranceDigest()
+    rec = ReplicaReconciler(list(model.named_parameters()), [opt], digest)
+    keys: list[int] = []
+    gathers: list[int] = []
+
+    def all_same(key: int) -> bool:
+        keys.append(key)
+        return True
+
+    def gather(t: torch.Tensor) -> list[torch.Tensor]:
+        gathers.append(1)
+        return [t, t.clone(), t.clone()]
+
+    ballot, differing = rec.reconcile(gather, all_same)
+    assert ballot.decided and ballot.verdict is Diagnosis.CLEAN and differing == []
+    assert (len(keys), len(gathers)) == ((1, 0) if exact else (0, 1))
+    if exact:  # the key is a 62-bit hash of the digests: any flipped bit of the state moves it
+        _, mine = rec.local()
+        assert keys[0] == digest_key(mine) and 0 <= keys[0] < 2**62
+        with torch.no_grad():
+            flip_bit_(next(model.parameters()).data.view(-1), 0, 3)
+        assert digest_key(rec.local()[1]) != keys[0]
