@@ -474,11 +474,9 @@ def rendered(text: str, results_dir: Path = RESULTS_DIR) -> str:
     campaigns = [c for c in published if not c.get("variant")]  # a variant is a "before", not the product
     old = [json.loads(p.read_text()) for p in sorted((results_dir / "earlier").glob("drill_campaign_*.json"))]
     block = table(campaigns) if campaigns else f"{BEGIN}\nNo campaign published yet.\n{END}"
-    compared = before_after(published)
-    if compared:
-        block = block[: -len(END)].rstrip("\n") + "\n" + "\n".join(compared) + "\n" + END
-    if old:
-        block = block[: -len(END)].rstrip("\n") + "\n" + "\n".join(earlier(old)) + "\n" + END
+    for lines in (before_after(published), earlier(old) if old else []):
+        if lines:  # appended inside the block, before its end marker
+            block = block[: -len(END)].rstrip("\n") + "\n" + "\n".join(lines) + "\n" + END
     start, end = text.index(BEGIN), text.index(END) + len(END)
     return text[:start] + block + text[end:]
 
