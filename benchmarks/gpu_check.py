@@ -5,16 +5,16 @@ Run from the repository root on the GPU machine (``make gpu-check``)::
     python -m benchmarks.gpu_check                       # ~10 minutes on one H200
     python -m benchmarks.gpu_check --cpu-smoke --out /tmp/g.json   # the same flow on the CPU, tiny model (a test)
 
-In order, each part bounded and recorded even when another fails:
+In order, each part bounded and recorded even when another fails (the JSON is rewritten after each part):
 
-1. **sync-debug tests**: ``pytest`` on the CUDA tests of the step path (``tests/perf/test_sync_debug_cuda.py``: the
-   default preset's engines under ``torch.cuda.set_sync_debug_mode("error")`` and a Lightning run with every
-   synchronisation attributed; the snapshot and SDC CUDA tests).
-2. **step-time slowdown** of per-step snapshots with a ~1.08B-parameter GPT in bf16 (``benchmarks.checkpoint``'s
+1. **step-time slowdown** of per-step snapshots with a ~1.08B-parameter GPT in bf16 (``benchmarks.checkpoint``'s
    rotation: none, ours with the default preset's tiers, DCP at its best at the same cadence), targets: ours <= 1%
    of the step, DCP's slowdown >= 3x ours.
-3. **pinned-memory overlap**: forward+backward alone, the full state's device-to-host copy into pinned memory on a
+2. **pinned-memory overlap**: forward+backward alone, the full state's device-to-host copy into pinned memory on a
    side stream alone, and both together; overlap = 1 - (together - alone) / copy.
+3. **sync-debug tests**: ``pytest`` on the CUDA tests of the step path (``tests/perf/test_sync_debug_cuda.py``: the
+   default preset's engines under ``torch.cuda.set_sync_debug_mode("error")`` and a Lightning run with every
+   synchronisation attributed; the snapshot and SDC CUDA tests).
 4. **NCCL DDP drills** (2 ranks, ``resilience=default`` and ``full``, the host-sync count) when 2 GPUs are present;
    recorded as skipped otherwise.
 """
@@ -28,6 +28,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from benchmarks._common import (
@@ -75,12 +76,24 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def sync_tests(timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:randomly", *SYNC_TESTS]
+def sync_tests(timeout: float, log: Path) -> dict[str, Any]:
+    """The CUDA tests; their whole output goes to ``log`` (a failure's message can sit above many screens of a
+    Lightning run's report), the failures' short tracebacks and the summary into the result."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "--tb=short", "-rfEs", "-p", "no:randomly", *SYNC_TESTS]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    summary = next((line for line in reversed(tail.splitlines()) if " passed" in line or " failed" in line), "")
-    return {"returncode": proc.returncode, "passed": proc.returncode == 0, "summary": summary, "output_tail": tail}
+    text = proc.stdout + proc.stderr
+    log.write_text(text)
+    lines = text.splitlines()
+    summary = next((line for line in reversed(lines) if " passed" in line or " failed" in line), "")
+    failures = [line for line in lines if line.startswith(("E   ", "FAILED ", "ERROR ", "_____"))]
+    return {
+        "returncode": proc.returncode,
+        "passed": proc.returncode == 0,
+        "summary": summary,
+        "failures": "\n".join(failures)[-12000:],
+        "output_tail": text[-4000:],
+        "log": log.name,
+    }
 
 
 def slowdown(args: argparse.Namespace) -> dict[str, Any]:
@@ -251,28 +264,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     parts: dict[str, Any] = {}
     plan: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-        ("sync_tests", lambda: sync_tests(args.part_timeout)),
         ("slowdown", lambda: slowdown(args)),
         ("overlap", lambda: overlap(args)),
+        ("sync_tests", lambda: sync_tests(args.part_timeout, Path(args.out).with_suffix(".pytest.txt"))),
         ("nccl_drills", lambda: nccl_drills(args)),
     ]
+    date = now_iso()
+
+    def result() -> dict[str, Any]:
+        return {
+            "benchmark": "gpu_check",
+            "title": TITLE,
+            "command": command_line(MODULE, argv),
+            "date": date,
+            "cpu_smoke": args.cpu_smoke,
+            "machine": machine,
+            "parts": parts,
+            "targets": _targets(parts),
+            "total_wall_s": time.perf_counter() - started,
+        }
+
     for name, fn in plan:
         if name not in args.skip:
             _part(parts, name, fn)
-    result = {
-        "benchmark": "gpu_check",
-        "title": TITLE,
-        "command": command_line(MODULE, argv),
-        "date": now_iso(),
-        "cpu_smoke": args.cpu_smoke,
-        "machine": machine,
-        "parts": parts,
-        "targets": _targets(parts),
-        "total_wall_s": time.perf_counter() - started,
-    }
+            write_json(args.out, result())  # the parts done so far survive a run stopped at its limit
     finish_load(machine)
-    out = write_json(args.out, result)
-    print_flush(render_markdown(result))
+    final = result()
+    out = write_json(args.out, final)
+    print_flush(render_markdown(final))
     print_flush(f"\nwrote {out}")
     return 0 if all(p["ok"] for p in parts.values()) else 1
 
@@ -371,7 +390,19 @@ def readme_summary(result: dict[str, Any]) -> str:
     device = result["machine"].get("device") or "CPU smoke run"
     r = _slow(result["parts"])
     if r is None:
-        return f"**GPU check** ({device}): the slowdown part failed; see docs/benchmarks.md."
+        slow = result["parts"].get("slowdown")
+        ov, sync = result["parts"].get("overlap") or {}, result["parts"].get("sync_tests") or {}
+        return (
+            f"**GPU check** ({device}): step-time slowdown "
+            + ("not measured in this run" if slow is None else "part failed")
+            + (
+                f"; {fmt_pct(ov['overlap'])} of the {ov['state_bytes'] / 1e9:.1f} GB device-to-host copy hidden "
+                f"behind forward+backward ({ov['copy_gb_per_s']:.0f} GB/s pinned)"
+                if ov.get("ok")
+                else ""
+            )
+            + f"; sync-debug tests: {sync.get('summary') or 'not run'}. See docs/benchmarks.md."
+        )
     best, ours = r["ratios"]["best_dcp"], r["slowdown"]["ours"]
     floor = r["ratios"].get("ours_ram_over_floor_mean")
     return (

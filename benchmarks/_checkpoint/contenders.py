@@ -224,7 +224,9 @@ class DcpBest(Contender):
         self.options = StagingOptions(
             use_pinned_memory=gpu, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=gpu
         )
+        self._new_stager = DefaultStager
         self.stager = DefaultStager(self.options)  # reused: its staging buffers are cached across saves
+        self.renewed = 0
         self.kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
         self.staging: Any = None
         self.upload: Any = None
@@ -253,6 +255,7 @@ class DcpBest(Contender):
             self.upload.result()
             self.upload = None
         path = self.roots[where] / f"step_{step:07d}"
+        self._renew_closed_stager()
         resp = self.dcp.async_save(
             self.wl.state(), checkpoint_id=path, async_stager=self.stager, async_checkpointer_type=self.kind
         )
@@ -263,6 +266,14 @@ class DcpBest(Contender):
         while len(saved) > 2:  # all but the newest are complete: their futures were waited on
             shutil.rmtree(saved.pop(0), ignore_errors=True)
         self.blocking += pc() - t0
+
+    def _renew_closed_stager(self) -> None:
+        """Torch 2.11's ``DefaultStager`` closes itself after each stage (its cache and copy table cleared; the next
+        stage fails with ``KeyError: <class 'type'>``): there a stager per save is what DCP can do, and is counted."""
+        inner = getattr(self.stager, "_state_dict_stager", None)
+        if inner is not None and not getattr(inner, "_deepcopy_dispatch", True):
+            self.stager = self._new_stager(self.options)
+            self.renewed += 1
 
     def end_turn(self) -> None:
         t0 = pc()
@@ -282,4 +293,5 @@ class DcpBest(Contender):
             "executor": self.kind.value,
             "staging_options": {k: getattr(self.options, k) for k in vars(self.options)},
             "saves": self.uploads,
+            "stagers_renewed": self.renewed,  # > 0: this torch closes the stager after each stage (no reuse)
         }

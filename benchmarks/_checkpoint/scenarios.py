@@ -72,6 +72,10 @@ def run_rotation(
         c.end_turn()
         drain = pc() - t0
         blocked[-1] += c.take_blocking()
+        print_flush(
+            f"[rotation] {c.name}: {len(times)} steps, mean {sum(times) / max(len(times), 1) * 1e3:.1f} ms, "
+            f"drain {drain * 1e3:.0f} ms{'' if record else ' (warm-up)'}"
+        )  # a run stopped at its limit still shows the turns it finished
         if record:
             r = rec[c.name]
             r["step_s"] += times

@@ -178,10 +178,7 @@ class Segment:
         )
         if pin and nbytes and torch.cuda.is_available():
             # the copy from the device lands here directly: page-locked like a pinned torch allocation
-            status = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 0)
-            self._pinned = int(status) == 0
-            if not self._pinned:
-                log.warning("could not page-lock %s (cudaHostRegister: %s): copies to it are synchronous", self, status)
+            self._pinned = _page_lock(self, self.data.data_ptr(), nbytes)
 
     def __repr__(self) -> str:
         return f"Segment({self.path}, {self.nbytes} bytes)"
@@ -228,6 +225,41 @@ class Segment:
             with contextlib.suppress(Exception):  # page-locking is an optimisation; never fail a teardown on it
                 torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
             self._pinned = False
+
+
+def _page_lock(segment: Segment, ptr: int, nbytes: int) -> bool:
+    """``cudaHostRegister`` the mapping; on a refusal the buffer stays usable (copies to it are synchronous).
+
+    Linux refuses a long-term writable pin of the pages of a file on a disk filesystem (tmpfs such as ``/dev/shm`` is
+    fine), so ``shm_dir`` on a disk is the usual cause. The refusal stays behind as the CUDA runtime's *last error*,
+    which the next kernel launch would report as its own failure: it is taken off here.
+    """
+    status = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+    if status == 0:
+        return True
+    _clear_last_cuda_error()
+    log.warning(
+        "could not page-lock %s (cudaHostRegister error %d; a buffer directory on a disk filesystem rather than a "
+        "tmpfs such as /dev/shm is the usual cause: see shm_dir): copies to it are synchronous",
+        segment,
+        status,
+    )
+    return False
+
+
+def _clear_last_cuda_error() -> None:
+    """``cudaGetLastError`` of the runtime torch loaded (read off the process's mappings); where none is found, one
+    tiny kernel launch takes the pending error and its report is dropped."""
+    import ctypes
+
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            path = line.rsplit(" ", 1)[-1]
+            if os.path.basename(path).startswith("libcudart.so"):
+                ctypes.CDLL(path).cudaGetLastError()
+                return
+    with contextlib.suppress(RuntimeError):
+        torch.empty(1, device="cuda").zero_()
 
 
 # ------------------------------------------------------------------------------------------------ what is held

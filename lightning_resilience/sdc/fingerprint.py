@@ -68,8 +68,8 @@ class BitwiseDigest:
     exact = True
 
     def compute(self, tensor: torch.Tensor | None) -> torch.Tensor:
-        if tensor is None or tensor.numel() == 0:
-            return torch.zeros(self.width, dtype=torch.int64)
+        if tensor is None or tensor.numel() == 0:  # on the tensor's device: digests of one stack share it
+            return torch.zeros(self.width, dtype=torch.int64, device=None if tensor is None else tensor.device)
         ints = _int_view(tensor)
         n, dev = ints.numel(), ints.device
         full = n - n % self.row
@@ -94,7 +94,7 @@ class BitwiseDigest:
         return rows.sum(dim=0)  # only for a summary: position weights are per tensor
 
     def equal(self, a: torch.Tensor, b: torch.Tensor) -> bool:
-        return a.shape == b.shape and bool(torch.equal(a, b))
+        return a.shape == b.shape and bool(torch.equal(a, b.to(a.device)))  # a device's digest against a host's
 
 
 class ToleranceDigest:
@@ -109,7 +109,7 @@ class ToleranceDigest:
 
     def compute(self, tensor: torch.Tensor | None) -> torch.Tensor:
         if tensor is None or tensor.numel() == 0:
-            return torch.zeros(self.width, dtype=torch.float64)
+            return torch.zeros(self.width, dtype=torch.float64, device=None if tensor is None else tensor.device)
         x = tensor.detach().reshape(-1).to(torch.float64)
         return torch.stack([x.sum(), x.square().sum(), x.abs().max()])
 
@@ -117,7 +117,9 @@ class ToleranceDigest:
         return torch.stack([rows[:, 0].sum(), rows[:, 1].sum(), rows[:, 2].max()])
 
     def equal(self, a: torch.Tensor, b: torch.Tensor) -> bool:
-        return a.shape == b.shape and bool(torch.isclose(a, b, rtol=self.rtol, atol=self.atol, equal_nan=True).all())
+        if a.shape != b.shape:
+            return False
+        return bool(torch.isclose(a, b.to(a.device), rtol=self.rtol, atol=self.atol, equal_nan=True).all())
 
 
 def make_digest(compare: str, rtol: float = 1e-5, atol: float = 1e-8) -> BitwiseDigest | ToleranceDigest:
