@@ -131,8 +131,8 @@ LIGHTNING_KINDS = {
     "none": "no checkpointing",
     "tiered": "TieredCheckpoint, the default preset: RAM every step + local disk every 10",
     "tiered_budget": "TieredCheckpoint, the budget preset: both cadences chosen by the 2% overhead budget",
-    "modelcheckpoint_same": "ModelCheckpoint every step to tmpfs (RAM) + ModelCheckpoint every 10 to the local disk, "
-    "AsyncCheckpointIO: our cadence",
+    "modelcheckpoint_same": "ModelCheckpoint every step to tmpfs (RAM, the newest kept) + ModelCheckpoint every 10 to "
+    "the local disk, AsyncCheckpointIO: our cadence",
     "modelcheckpoint_best": "ModelCheckpoint every 10 steps to the local disk, AsyncCheckpointIO: its own best cadence",
 }
 """The Trainer runs the benchmark compares, and what each checkpoints."""
@@ -171,7 +171,8 @@ def run_lightning(
         callbacks.append(TieredCheckpoint(tiers=tiers, resume="never"))
     elif kind in ("modelcheckpoint_same", "modelcheckpoint_best"):
         if kind == "modelcheckpoint_same":
-            callbacks.append(ModelCheckpoint(dirpath=ram_dir, every_n_train_steps=1, save_top_k=-1))
+            # the newest only: every step kept would fill the machine's RAM (tmpfs) within a run of the small model
+            callbacks.append(ModelCheckpoint(dirpath=ram_dir, every_n_train_steps=1, save_top_k=1))
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=DISK_EVERY, save_top_k=-1))
         plugins.append(AsyncCheckpointIO())
     elif kind != "none":
