@@ -2,10 +2,12 @@
 
 Run from the repository root on the GPU machine (``make gpu-check``)::
 
-    python -m benchmarks.gpu_check                       # ~10 minutes on one H200
+    python -m benchmarks.gpu_check                       # over 7 minutes on one H200: allow 12
     python -m benchmarks.gpu_check --cpu-smoke --out /tmp/g.json   # the same flow on the CPU, tiny model (a test)
 
-In order, each part bounded and recorded even when another fails (the JSON is rewritten after each part):
+The overlap and the CUDA tests take under a minute; the step-time slowdown most of the time (a 6.5 GB state: each
+disk save and, with torch 2.11, each DCP save into a new stager's buffers take seconds; one such run had not finished
+in 400 s). In order, each part bounded and recorded even when another fails (the JSON is rewritten after each part):
 
 1. **step-time slowdown** of per-step snapshots with a ~1.08B-parameter GPT in bf16 (``benchmarks.checkpoint``'s
    rotation: none, ours with the default preset's tiers, DCP at its best at the same cadence), targets: ours <= 1%

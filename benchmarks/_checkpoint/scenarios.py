@@ -171,8 +171,10 @@ def run_lightning(
         callbacks.append(TieredCheckpoint(tiers=tiers, resume="never"))
     elif kind in ("modelcheckpoint_same", "modelcheckpoint_best"):
         if kind == "modelcheckpoint_same":
-            # the newest only: every step kept would fill the machine's RAM (tmpfs) within a run of the small model
-            callbacks.append(ModelCheckpoint(dirpath=ram_dir, every_n_train_steps=1, save_top_k=1))
+            # the newest only, as ``last.ckpt`` replaced each step: every step kept would fill the machine's RAM
+            # (tmpfs), and ``save_top_k=1`` removes the previous file while AsyncCheckpointIO may still be moving it
+            # into place (FileNotFoundError)
+            callbacks.append(ModelCheckpoint(dirpath=ram_dir, every_n_train_steps=1, save_top_k=0, save_last=True))
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=DISK_EVERY, save_top_k=-1))
         plugins.append(AsyncCheckpointIO())
     elif kind != "none":
