@@ -252,7 +252,7 @@ def _clear_last_cuda_error() -> None:
     tiny kernel launch takes the pending error and its report is dropped."""
     import ctypes
 
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, AttributeError):  # no /proc, or a runtime without the symbol: the fallback
         for line in Path("/proc/self/maps").read_text().splitlines():
             path = line.rsplit(" ", 1)[-1]
             if os.path.basename(path).startswith("libcudart.so"):
