@@ -224,7 +224,6 @@ class DcpBest(Contender):
         self.options = StagingOptions(
             use_pinned_memory=gpu, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=gpu
         )
-        self._new_stager = DefaultStager
         self.stager = DefaultStager(self.options)  # reused: its staging buffers are cached across saves
         self.renewed = 0
         self.kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
@@ -272,7 +271,7 @@ class DcpBest(Contender):
         stage fails with ``KeyError: <class 'type'>``): there a stager per save is what DCP can do, and is counted."""
         inner = getattr(self.stager, "_state_dict_stager", None)
         if inner is not None and not getattr(inner, "_deepcopy_dispatch", True):
-            self.stager = self._new_stager(self.options)
+            self.stager = type(self.stager)(self.options)
             self.renewed += 1
 
     def end_turn(self) -> None:
