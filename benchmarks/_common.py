@@ -242,6 +242,23 @@ def summarize(samples: Iterable[float]) -> dict[str, Any]:
     }
 
 
+_T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18,
+         15: 2.13, 20: 2.09, 30: 2.04}  # fmt: skip
+"""Student's t, two-sided 95%, by degrees of freedom (the next smaller tabulated one is used; 1.96 past 30)."""
+
+
+def mean_interval(values: Sequence[float]) -> tuple[float, float, float] | None:
+    """The mean of ``values`` (one per interleaved turn or block) and its 95% interval (Student's t): how precisely
+    the turns pin a slowdown down, given the machine's drift between them. None with fewer than 2 values."""
+    n = len(values)
+    if n < 2:
+        return None
+    mean = statistics.fmean(values)
+    t = _T975[max(k for k in _T975 if k <= n - 1)] if n - 1 <= 30 else 1.96
+    half = t * statistics.stdev(values) / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or denominator is None or denominator <= 0:
         return None

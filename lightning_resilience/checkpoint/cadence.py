@@ -9,11 +9,13 @@ this run measured, the reliability simulator feeds it a tier's configured costs,
 * A persistent tier: Daly's interval from the blocking cost of a persist and the job's mean time between failures,
   never shorter than one write (a persist waits for the one before it) nor than its share of the budget allows.
 
-The budget (``checkpoint.overhead_budget``, a fraction of the step time) is one for all tiers: the persistent tiers
-that it decides share at most half of it, a tier with a fixed cadence takes what it costs, and the RAM tiers share
-what is left. A cost is what the training thread spends in the engine (snapshot copies, waits for a background copy
-before the optimizer step, persist agreements); what background threads take from its cores is not in it (the
-benchmarks measure that as step-time slowdown).
+The budget (``checkpoint.overhead_budget``, a fraction of the step time) is one for all the suite's work on the
+training thread: the detectors (straggler timings and exchanges, SDC guards, replays and reconciliations, counted as
+they run) take what they cost first, the persistent tiers that the budget decides share at most half of the rest, a
+tier with a fixed cadence takes what it costs, and the RAM tiers share what is left. A cost is what the training
+thread spends in the engine (snapshot copies, waits for a background copy before the optimizer step, persist
+agreements); what background threads take from its cores is not in it (the benchmarks measure that as step-time
+slowdown).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning_resilience.checkpoint.config import CheckpointConfig
+from lightning_resilience.checkpoint.intervals import check_delta_mttf, daly_interval, estimate_mtbf, young_interval
 from lightning_resilience.checkpoint.tier import BUDGET, Durability, Tier
 
 __all__ = [
@@ -53,39 +56,6 @@ RAM_FLOOR_SHARE = 0.05
 """Part of the budget the RAM tiers keep when fixed tiers take all of it (so that their cadence stays finite)."""
 _WINDOW = 64
 _OUTLIER = 3.0  # a cost sample above this many medians (a first allocation, a GC pause) is left out of the mean
-
-
-# --------------------------------------------------------------------------------------------- Young and Daly
-def check_delta_mttf(delta: float, mttf: float) -> None:
-    """``delta`` (a checkpoint's cost) finite and >= 0, ``mttf`` finite and > 0, else ValueError."""
-    if delta < 0 or not math.isfinite(delta):
-        raise ValueError(f"delta must be a finite number >= 0, got {delta!r}")
-    if mttf <= 0 or not math.isfinite(mttf):
-        raise ValueError(f"mttf must be a finite number > 0, got {mttf!r}")
-
-
-def young_interval(delta: float, mttf: float) -> float:
-    """Young (1974): ``sqrt(2 * delta * mttf)`` seconds of compute between checkpoints that cost ``delta``."""
-    check_delta_mttf(delta, mttf)
-    return math.sqrt(2.0 * delta * mttf)
-
-
-def daly_interval(delta: float, mttf: float) -> float:
-    """Daly (2006) higher-order optimum.
-
-    ``sqrt(2 delta M) * (1 + sqrt(delta / 2M) / 3 + (delta / 2M) / 9) - delta`` for ``delta < 2M``, else ``M``.
-    """
-    check_delta_mttf(delta, mttf)
-    if delta >= 2.0 * mttf:
-        return mttf
-    x = delta / (2.0 * mttf)
-    return math.sqrt(2.0 * delta * mttf) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - delta
-
-
-def estimate_mtbf(prior_s: float, observed_s: float = 0.0, failures: int = 0) -> float:
-    """The job's mean time between failures: the prior counts as one failure seen over ``prior_s`` of training,
-    so a run's own history (``failures`` in ``observed_s``) takes over as it grows."""
-    return (prior_s + max(observed_s, 0.0)) / (1 + max(failures, 0))
 
 
 # ----------------------------------------------------------------------------------------- the cadence function
@@ -133,20 +103,27 @@ def _pct(fraction: float) -> str:
     return f"{fraction * 100:.2f}%"
 
 
-def plan_cadences(tiers: Sequence[TierCosts], *, step_s: float, budget: float, mtbf_s: float) -> list[Cadence]:
+def plan_cadences(
+    tiers: Sequence[TierCosts], *, step_s: float, budget: float, mtbf_s: float, detectors: float = 0.0
+) -> list[Cadence]:
     """The cadence of every tier, in the order given (see the module docstring for the rules).
 
     Args:
         tiers: each tier's costs and its fixed cadence, or :data:`BUDGET`.
         step_s: seconds of one training step, checkpointing excluded.
-        budget: the blocking the training thread may spend in checkpointing, a fraction of ``step_s``.
+        budget: the blocking the training thread may spend in the suite's work, a fraction of ``step_s``.
         mtbf_s: the job's mean time between failures.
+        detectors: what the detectors take per step, a fraction of ``step_s`` (taken from the budget first).
     """
     if not (step_s > 0 and math.isfinite(step_s)):
         raise ValueError(f"step_s must be a finite number > 0, got {step_s!r}")
     if not 0 < budget < 1:
         raise ValueError(f"budget must be in (0, 1), got {budget!r}")
+    if not (detectors >= 0 and math.isfinite(detectors)):
+        raise ValueError(f"detectors must be a finite fraction >= 0, got {detectors!r}")
     check_delta_mttf(0.0, mtbf_s)
+    floor = budget * RAM_FLOOR_SHARE
+    budget = max(budget - detectors, floor)  # what the checkpoint tiers may take
     chosen: dict[str, Cadence] = {}
     for t in tiers:
         if t.every_n_steps != BUDGET:
@@ -159,7 +136,7 @@ def plan_cadences(tiers: Sequence[TierCosts], *, step_s: float, budget: float, m
         chosen[t.name] = _persist_cadence(t, step_s, budget * PERSIST_SHARE / len(persist), mtbf_s)
     ram = [t for t in tiers if not t.persistent and t.every_n_steps == BUDGET]
     taken = sum(c.overhead for c in chosen.values())
-    left = max(budget - taken, budget * RAM_FLOOR_SHARE)
+    left = max(budget - taken, floor)
     for t in ram:
         share = left / len(ram)
         k = _steps_for(t.blocking_s, share, step_s)
@@ -176,6 +153,8 @@ def plan_cadences(tiers: Sequence[TierCosts], *, step_s: float, budget: float, m
             )
         if taken > 0:
             reason += f"; the other tiers take {_pct(taken)}"
+        if detectors > 0:
+            reason += f"; the detectors take {_pct(detectors)}"
         chosen[t.name] = Cadence(t.name, k, "budget", reason, cost / k)
     return [chosen[t.name] for t in tiers]
 
@@ -299,10 +278,17 @@ class CadenceController:
         self._last_begin: float | None = None
         self._pending: tuple[str, float] | None = None  # kind of the last call, what it blocked so far
         self._next_review: int | None = None
+        self._detectors: Callable[[], float] | None = None
+        self._begun = 0  # on_step calls so far
+        self._detector_mark: tuple[float, int] | None = None  # detector seconds and calls at the last review
 
     def bind(self, reduce_max_each: Callable[..., list[int]] | None, rank: int) -> None:
         """The side group's ``reduce_max_each`` (None: a world of one) and this rank."""
         self._agreement = _Agreement(reduce_max_each, rank)
+
+    def count_detectors(self, spent_s: Callable[[], float]) -> None:
+        """The detectors' training-thread seconds so far (cumulative): taken from the budget before the tiers'."""
+        self._detectors = spent_s
 
     def note_failures(self, observed_s: float, failures: int) -> None:
         """The run's failure history so far (its ledger: ``failures`` in ``observed_s`` of training)."""
@@ -326,6 +312,7 @@ class CadenceController:
         """At the start of ``on_step``: close the last step's figures; at a review step, agree and choose."""
         if not self.budgeted:
             return
+        self._begun += 1
         now = self._clock()
         blocked = 0.0
         if self._pending is not None:
@@ -367,6 +354,7 @@ class CadenceController:
             round((snapshot or 0.0) * 1e6),
             round(persist * 1e6) if persist is not None else -1,  # -1: no persist measured here
             round(self._mtbf_s) if self._agreement.rank == 0 else 0,  # rank 0 holds the run's failure history
+            round(self._detector_step_s() * 1e6),
             *(round((w or 0.0) * 1e6) for w in writes),
         ]
         agreed = self._agreement.max_each(local, step)
@@ -375,8 +363,9 @@ class CadenceController:
         step_s, snapshot_s = agreed[0] / 1e6, agreed[1] / 1e6
         persist_s = agreed[2] / 1e6 if agreed[2] >= 0 else None
         self._mtbf_s = float(agreed[3]) or self._mtbf_s
-        write = dict(zip(persistent, (w / 1e6 for w in agreed[4:])))
-        self._measured = {"step_s": step_s, "snapshot_s": snapshot_s}
+        detectors_s = agreed[4] / 1e6
+        write = dict(zip(persistent, (w / 1e6 for w in agreed[5:])))
+        self._measured = {"step_s": step_s, "snapshot_s": snapshot_s, "detectors_s": detectors_s}
         if persist_s is not None:
             self._measured["persist_s"] = persist_s
         # a persist reads every byte of the snapshot again: never counted as cheaper than a snapshot
@@ -385,7 +374,10 @@ class CadenceController:
             TierCosts(name, p, persist_cost if p else snapshot_s, write.get(name, 0.0), every)
             for name, p, every in self._tiers
         ]
-        for cadence in plan_cadences(costs, step_s=step_s, budget=self.budget, mtbf_s=self._mtbf_s):
+        detectors = detectors_s / step_s
+        for cadence in plan_cadences(
+            costs, step_s=step_s, budget=self.budget, mtbf_s=self._mtbf_s, detectors=detectors
+        ):
             persistent_tier = cadence.name in persistent
             if persist_s is None and persistent_tier and cadence.set_by != "config":
                 cadence = Cadence(
@@ -393,6 +385,15 @@ class CadenceController:
                     f"no persist measured yet: once every {self.review_steps} steps until one is", cadence.overhead,
                 )  # fmt: skip
             self._choose(step, cadence)
+
+    def _detector_step_s(self) -> float:
+        """The detectors' seconds per step since the last review (0 without detectors)."""
+        if self._detectors is None:
+            return 0.0
+        spent, calls = self._detectors(), self._begun
+        last_spent, last_calls = self._detector_mark or (0.0, 0)
+        self._detector_mark = (spent, calls)
+        return max(spent - last_spent, 0.0) / max(calls - last_calls, 1)
 
     def _choose(self, step: int, cadence: Cadence) -> None:
         previous = self.plan.get(cadence.name)

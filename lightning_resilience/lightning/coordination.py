@@ -100,6 +100,7 @@ class Suite:
         self.batch_idx = 0
         self._record_dir: Path | None = None
         self._failure_history: Callable[[], tuple[float, int] | None] | None = None
+        self._costs: list[Callable[[], float]] = []
         self._trainer: weakref.ref[Trainer] | None = None
         """The index of the batch the current step boundary follows (snapshot metadata)."""
         self._fit_over = False
@@ -156,6 +157,7 @@ class Suite:
             self._rollback.close()
         self._rollback, self._rollback_pending = None, False
         self._rolled_back = []
+        self._costs = []
         if self._channels is not None:
             self._channels.close()
         self._channels, self.driver, self._last_end = None, None, None
@@ -194,6 +196,15 @@ class Suite:
     def provide_failure_history(self, provider: Callable[[], tuple[float, int] | None]) -> None:
         """The fault-tolerance member gives the run's failure history (from its ledger on global rank 0)."""
         self._failure_history = provider
+
+    def count_cost(self, spent_s: Callable[[], float]) -> None:
+        """A detector's training-thread seconds so far in this fit (cumulative), counted against the cost budget:
+        the checkpoint tiers the budget decides get what the detectors leave of it."""
+        self._costs.append(spent_s)
+
+    def detector_seconds(self) -> float:
+        """Every detector's training-thread seconds so far in this fit."""
+        return sum(spent() for spent in self._costs)
 
     def failure_history(self) -> tuple[float, int] | None:
         """The run's wall-clock seconds so far and the attempts that ended in a fault (global rank 0; None elsewhere,

@@ -37,33 +37,13 @@ from lightning_resilience.sdc.replay import (
     capture_rng,
 )
 from lightning_resilience.sdc.rounds import ReplayRound
+from lightning_resilience.sdc.stats import SDCStats
 from lightning_resilience.sdc.verdict import Diagnosis, SDCEvent
 from lightning_resilience.step.driver import Field
 
 __all__ = ["SDCMonitor", "SDCStats", "StepOutcome"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SDCStats:
-    """What verification did and what it cost (seconds are wall time on this rank)."""
-
-    steps: int = 0
-    guard_seconds: float = 0.0
-    guard_fired: dict[str, int] = field(default_factory=dict)
-    guard_forced_reads: int = 0
-    """Guard readings the host had to wait for (the device ran too far behind); 0 on a CPU."""
-    replay_rounds: int = 0
-    replays: int = 0
-    replay_seconds: float = 0.0
-    fingerprint_seconds: float = 0.0
-    """Spent in the DDP communication hook digesting buckets."""
-    reconcile_rounds: int = 0
-    reconcile_seconds: float = 0.0
-    detections: dict[str, int] = field(default_factory=dict)
-    recomputed: int = 0
-    rollbacks: int = 0
 
 
 @dataclass
@@ -266,6 +246,10 @@ class SDCMonitor:
         pn = param_norm(self.params) if self._due(self.config.param_norm_every_n_steps) else None
         self._guard_report = self.reader.observe(self._step, self._loss, grad_norm(self.params), pn, replayed=replayed)
         return self._guard_report
+
+    def spent_seconds(self) -> float:
+        """Seconds this rank's training thread spent verifying so far (what the cost budget counts for SDC)."""
+        return self.stats.spent_seconds()
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         self._loss = loss.detach()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from lightning_resilience.checkpoint.cadence import check_delta_mttf, daly_interval, young_interval
+from lightning_resilience.checkpoint.intervals import check_delta_mttf, daly_interval, young_interval
 
 __all__ = ["daly_ettr", "daly_interval", "first_order_waste", "young_interval"]
 

@@ -71,6 +71,24 @@ def test_fixed_tiers_keep_their_cadence_and_take_their_share_first() -> None:
     assert ram.every_n_steps == 10 and "the other tiers take 10.00%" in ram.reason  # the floor share: 0.1%
 
 
+def test_the_detectors_take_their_cost_from_the_budget_first() -> None:
+    """One budget for the suite: a snapshot that fits 2% alone (1%) is spaced out when the detectors take 1.5%."""
+    (alone,) = plan_cadences([TierCosts("memory", False, 0.001)], step_s=STEP_S, budget=0.02, mtbf_s=3600)
+    (ram,) = plan_cadences([TierCosts("memory", False, 0.001)], step_s=STEP_S, budget=0.02, mtbf_s=3600,
+                           detectors=0.015)  # fmt: skip
+    assert alone.every_n_steps == 1
+    assert ram.every_n_steps == 2 and ram.overhead + 0.015 <= 0.02
+    assert "over its 0.50% of the budget" in ram.reason and "the detectors take 1.50%" in ram.reason
+    (starved,) = plan_cadences([TierCosts("memory", False, 0.001)], step_s=STEP_S, budget=0.02, mtbf_s=3600,
+                               detectors=0.05)  # fmt: skip
+    assert starved.every_n_steps == 10  # detectors over the budget: the tiers keep the floor share (0.1%)
+    (fixed,) = plan_cadences([TierCosts("memory", False, 0.001, every_n_steps=1)], step_s=STEP_S, budget=0.02,
+                             mtbf_s=3600, detectors=0.05)  # fmt: skip
+    assert (fixed.every_n_steps, fixed.set_by) == (1, "config")
+    with pytest.raises(ValueError, match="detectors"):
+        plan_cadences([], step_s=1.0, budget=0.02, mtbf_s=1.0, detectors=-0.1)
+
+
 def test_the_prior_gives_way_to_the_runs_own_failures() -> None:
     assert estimate_mtbf(8 * 3600.0) == 8 * 3600.0
     assert estimate_mtbf(8 * 3600.0, observed_s=40 * 3600.0, failures=11) == pytest.approx(4 * 3600.0)
@@ -150,6 +168,33 @@ def test_a_heavier_state_moves_the_snapshot_to_every_k_steps_within_the_budget(
     assert report["changes"][0]["step"] == 9 and report["changes"][0]["every_n_steps"] == chosen["every_n_steps"]
     assert 0.75 * BUDGET_FRACTION <= blocked / compute <= 1.25 * BUDGET_FRACTION
     assert manager.memory_steps()[-1] % chosen["every_n_steps"] == 0
+
+
+def test_the_engine_leaves_the_tiers_what_the_detectors_do_not_take(managers: list[CheckpointManager]) -> None:
+    """A 256 KiB state costs 3.7% of a step: every 2 steps alone. With detectors spending 1.5% of every step on the
+    training thread (counted as they run), the engine spaces snapshots to every 8, and the suite's whole cost (the
+    detectors' and the snapshots') lands within the budget (+-25%)."""
+    chosen, cost = {}, {}
+    for detectors in (0.0, 0.015):
+        clock = FakeClock()
+        manager = _manager(
+            managers, MemoryTier(every_n_steps=BUDGET, keep=2), clock=clock, overhead_budget=BUDGET_FRACTION,
+            cadence_review_steps=20,
+        )  # fmt: skip
+        calls = [0]
+        manager.cadence.count_detectors(lambda calls=calls, per_step=detectors * STEP_S: calls[0] * per_step)
+        state, blocked, compute = _state(2**16), 0.0, 0.0
+        for step in range(1, 201):
+            calls[0] += 1  # the detectors' work of this step
+            b, c = _train(manager, clock, state, range(step, step + 1), 1.4e-8)
+            if step > 40:  # past the first choices
+                blocked, compute = blocked + b, compute + c
+        report = manager.cadence.report()
+        chosen[detectors], cost[detectors] = report["tiers"]["memory"], blocked / compute + detectors
+        assert report["measured"]["detectors_s"] == pytest.approx(detectors * STEP_S, abs=1e-6)
+    assert chosen[0.0]["every_n_steps"] == 2
+    assert chosen[0.015]["every_n_steps"] == 8 and "the detectors take 1.50%" in chosen[0.015]["reason"]
+    assert 0.75 * BUDGET_FRACTION <= cost[0.015] <= 1.25 * BUDGET_FRACTION, cost
 
 
 def test_explicit_cadences_are_never_overridden(tmp_path: Path, managers: list[CheckpointManager]) -> None:

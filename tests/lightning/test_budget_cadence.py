@@ -18,8 +18,11 @@ from lightning_resilience.ft.config import FaultToleranceConfig
 from lightning_resilience.ft.ettr import LEDGER_FILE
 from lightning_resilience.lightning.callbacks.fault_tolerance import FaultTolerance
 from lightning_resilience.lightning.callbacks.resilience_report import ResilienceReportCallback
+from lightning_resilience.lightning.callbacks.sdc import SDCVerification
+from lightning_resilience.lightning.callbacks.straggler import StragglerDetection
 from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
 from lightning_resilience.report import REPORT_NAME
+from lightning_resilience.sdc.config import SDCConfig
 from tests.lightning._training import CrashAt, build, trainer
 
 pytestmark = pytest.mark.timeout(120)
@@ -69,3 +72,15 @@ def test_the_runs_failures_shorten_the_mtbf_the_cadences_assume(tmp_path: Path) 
     assert ckpt.manager is not None
     report = ckpt.manager.cadence.report()
     assert report["failures_seen"] == 1 and report["mtbf_s"] < report["mtbf_prior_s"]
+
+
+def test_the_detectors_work_is_counted_against_the_budget(tmp_path: Path) -> None:
+    """SDC replays every 4 steps and the straggler detector's step ends: their training-thread seconds reach the
+    cadence controller, which leaves the tiers what they do not take."""
+    sdc = SDCVerification(SDCConfig(replay_every_n_steps=4))
+    straggler = StragglerDetection()
+    ckpt = _fit(tmp_path, 30, sdc, straggler)
+    assert ckpt.manager is not None and sdc.monitor is not None
+    measured = ckpt.manager.cadence.report()["measured"]
+    assert sdc.monitor.stats.replay_rounds >= 5 and straggler.spent_s > 0
+    assert measured["detectors_s"] > 0, measured

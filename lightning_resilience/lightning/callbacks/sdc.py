@@ -97,6 +97,7 @@ class SDCVerification(Callback):
         self._suite = Suite.of(trainer)
         self._suite.join(trainer, "sdc", self, timeout=self.config.timeout)
         self._suite.add_reporter(self)
+        self._suite.count_cost(self.monitor.spent_seconds)
         if self.config.run_dir:
             self._suite.set_record_dir(self.config.run_dir)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,8 @@ class StragglerDetection(Callback):
         self._logged_at: int | None = None
         self.last_metrics: dict[str, float] = {}
         self.parallelism = "none"
+        self.spent_s = 0.0
+        """The detector's step ends on the training thread this fit (seconds): what the cost budget counts."""
         self._previous: list[dict[str, Any]] = []  # decisions of earlier runs of this job (from a checkpoint)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -135,6 +138,8 @@ class StragglerDetection(Callback):
             return
         self._suite = Suite.of(trainer)
         self._suite.join(trainer, "straggler", self, timeout=self.config.gather_timeout)
+        self.spent_s = 0.0
+        self._suite.count_cost(lambda: self.spent_s)
         self._suite.add_reporter(self)
         self._posted = False
 
@@ -202,7 +207,9 @@ class StragglerDetection(Callback):
         if detector is None or self._suite is None or trainer is None:
             return
         detector.end(FORWARD)  # manual optimization calls none of the hooks in between: the batch is all forward
+        started = time.perf_counter()
         decisions = detector.end_step(step)
+        self.spent_s += time.perf_counter() - started  # the detector's step end: what the cost budget counts
         if detector.scoring:
             return  # rank 0 is scoring on its own thread: its scores and ladder are read once it is done
         self._maybe_log_metrics(trainer, decisions)

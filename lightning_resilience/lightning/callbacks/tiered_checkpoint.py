@@ -134,6 +134,7 @@ class TieredCheckpoint(Checkpoint):
         driver.add_snapshotter(self)
         self._fit = (trainer, pl_module)
         self._last_step = trainer.global_step
+        self.manager.cadence.count_detectors(self._suite.detector_seconds)  # the budget is one for the whole suite
         history = self._suite.failure_history()  # rank 0's ledger: the MTBF the budgeted cadences assume
         if history is not None:
             self.manager.cadence.note_failures(*history)
