@@ -10,8 +10,8 @@ this run measured, the reliability simulator feeds it a tier's configured costs,
   never shorter than one write (a persist waits for the one before it) nor than its share of the budget allows.
 
 The budget (``checkpoint.overhead_budget``, a fraction of the step time) is one for all the suite's work on the
-training thread: the detectors (straggler timings and exchanges, SDC guards, replays and reconciliations, counted as
-they run) take what they cost first, the persistent tiers that the budget decides share at most half of the rest, a
+training thread: the detectors' work on every step (the straggler detector's step ends, SDC's guards, counted as
+they run) takes what it costs first, the persistent tiers that the budget decides share at most half of the rest, a
 tier with a fixed cadence takes what it costs, and the RAM tiers share what is left. A cost is what the training
 thread spends in the engine (snapshot copies, waits for a background copy before the optimizer step, persist
 agreements); what background threads take from its cores is not in it (the benchmarks measure that as step-time

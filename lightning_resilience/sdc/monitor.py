@@ -248,8 +248,8 @@ class SDCMonitor:
         return self._guard_report
 
     def spent_seconds(self) -> float:
-        """Seconds this rank's training thread spent verifying so far (what the cost budget counts for SDC)."""
-        return self.stats.spent_seconds()
+        """Seconds this rank's training thread spent on every step's checks so far (what the cost budget counts)."""
+        return self.stats.ordinary_seconds()
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         self._loss = loss.detach()

@@ -27,6 +27,7 @@ class SDCStats:
     recomputed: int = 0
     rollbacks: int = 0
 
-    def spent_seconds(self) -> float:
-        """Guards, replay and reconciliation rounds, bucket digests: the training thread's seconds so far."""
-        return self.guard_seconds + self.replay_seconds + self.reconcile_seconds + self.fingerprint_seconds
+    def ordinary_seconds(self) -> float:
+        """The training thread's seconds so far in the work of every step (the guards); replay and reconciliation
+        rounds run at the cadence the config sets, as a tier with a cadence of its own does."""
+        return self.guard_seconds
