@@ -165,13 +165,16 @@ def cpu_counters() -> tuple[float, float, float]:
     return busy, t.user + t.system + t.children_user + t.children_system, time.monotonic()
 
 
-def finish_load(machine: dict[str, Any], since: tuple[float, float, float] | None = None) -> dict[str, Any]:
+def finish_load(
+    machine: dict[str, Any], since: tuple[float, float, float] | None = None, *, own_extra_s: float = 0.0
+) -> dict[str, Any]:
     """Record the load average at the end in ``machine`` and whether the result is fit to publish: it is not when
     the 1-min load average exceeded the cores at the start or at the end (the benchmark's own threads count too).
 
     A benchmark whose own processes load the machine (N ranks on its cores) passes ``since`` (:func:`cpu_counters`
     at its start): the end is then judged by the CPU time other processes used meanwhile, at most
-    :data:`FOREIGN_CPU_MAX` of the cores."""
+    :data:`FOREIGN_CPU_MAX` of the cores. ``own_extra_s``: CPU seconds of its own processes that are not this
+    process's waited-for children (ranks a forkserver started, which report their own)."""
     cores = int(machine.get("cores") or _cores())
     machine["loadavg_at_end"] = _loadavg()
     start, end = machine.get("loadavg_at_start"), machine["loadavg_at_end"]
@@ -183,7 +186,7 @@ def finish_load(machine: dict[str, Any], since: tuple[float, float, float] | Non
     ]
     if since is not None:
         busy, own, now = (b - a for a, b in zip(since, cpu_counters()))
-        foreign = max(0.0, busy - own) / max(now * cores, 1e-9)
+        foreign = max(0.0, busy - own - own_extra_s) / max(now * cores, 1e-9)
         machine["foreign_cpu_share"] = foreign
         if foreign > FOREIGN_CPU_MAX:
             why.append(f"other processes used {100 * foreign:.0f}% of the {cores} cores during the run")
