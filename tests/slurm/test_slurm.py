@@ -84,13 +84,18 @@ def _run_job(tmp: Path, sbatch_args: list[str], script_args: list[str], **export
            str(RECIPE), *script_args]  # fmt: skip
     job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
     deadline = time.monotonic() + JOB_DEADLINE_S
+    nudged: set[str] = set()  # the requeues whose start was brought forward (once each)
     while True:
         info = _job(job, env)
         state = info.get("JobState", "")
         if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             break
-        if state == "PENDING" and info.get("Reason") == "BeginTime":  # a requeued job: start it now
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, timeout=30)
+        restart = info.get("Restarts", "")
+        if state == "PENDING" and info.get("Reason") == "BeginTime" and restart not in nudged:  # requeued: start soon
+            nudged.add(restart)
+            # not within the second of the requeue: slurmd revokes the old run's credential with one-second
+            # granularity, and a credential issued in that same second is refused ("Job credential revoked")
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+2"], env=env, timeout=30)
         if time.monotonic() > deadline:
             subprocess.run(["scancel", job], env=env, timeout=30)
             raise AssertionError(f"job {job} did not end within {JOB_DEADLINE_S} s: {info}")
