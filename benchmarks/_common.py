@@ -262,6 +262,15 @@ def mean_interval(values: Sequence[float]) -> tuple[float, float, float] | None:
     return mean, mean - half, mean + half
 
 
+def fmt_interval(values: Sequence[float], what: str) -> str:
+    """``mean +x%, 95% interval +a% to +b% over n <what>`` of per-turn (or per-block) slowdowns."""
+    got = mean_interval(values)
+    if got is None:
+        return f"{len(values)} {what}, no interval"
+    mean, lo, hi = got
+    return f"mean {mean * 100:+.2f}%, 95% interval {lo * 100:+.2f}% to {hi * 100:+.2f}% over {len(values)} {what}"
+
+
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or denominator is None or denominator <= 0:
         return None

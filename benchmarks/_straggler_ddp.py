@@ -42,6 +42,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from lightning_resilience.lightning.callbacks.straggler import StragglerDetection
+from lightning_resilience.lightning.coordination import Suite
 
 KINDS = ("compute", "data", "job", "clean", "plain")
 STRATEGIES = ("ddp", "fsdp")
@@ -186,11 +187,10 @@ class _TimedDetection(StragglerDetection):
         self._timed(super().on_train_batch_end, *args)
 
 
-def _driver_seconds(detection: _TimedDetection) -> float:
+def _driver_seconds(trainer: Trainer) -> float:
     """The step driver's time on the training thread over the fit (its round's issue, the detector's step end, the
     agreement taken): the suite's per-step work beside the callback's own hooks."""
-    suite = detection._suite  # the benchmark reads the suite it measures
-    driver = suite.driver if suite is not None else None
+    driver = Suite.of(trainer).driver
     return sum(driver.stats.seconds.values()) if driver is not None else 0.0
 
 
@@ -239,7 +239,7 @@ def run_trial(trial: Trial, args: argparse.Namespace, index: int) -> dict[str, A
                 "parallelism": detection.parallelism,
                 "detector_s_per_step": detection.spent_s / max(1, trial.steps),
                 "exchange_s_per_step": det.gather_seconds / max(1, trial.steps),
-                "driver_s_per_step": _driver_seconds(detection) / max(1, trial.steps),
+                "driver_s_per_step": _driver_seconds(trainer) / max(1, trial.steps),
                 "verdicts": [v.to_dict() for v in det.verdicts],
                 "noise_level": [v.to_dict() for v in det.noise_level],
                 "decisions": [d.to_dict() for d in det.decisions],

@@ -40,11 +40,11 @@ from benchmarks._common import (
     GPTWorkload,
     add_load_argument,
     check_load_at_start,
+    fmt_interval,
     fmt_ms,
     load_line,
     machine_info,
     md_table,
-    mean_interval,
     print_flush,
     report,
     result_header,
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             hi,
             "fraction",
             "includes what the copy takes from the training thread's cores beside its blocking; per turn: "
-            + _interval_text(slow["budget"]["per_turn"]),
+            + fmt_interval(slow["budget"]["per_turn"], "turns"),
         ),
     ]
     return {
@@ -186,14 +186,6 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "details": {name: {k: v for k, v in d.items() if k != "cadence"} for name, d in details.items()},
         "targets": targets,
     }
-
-
-def _interval_text(per_turn: Sequence[float]) -> str:
-    got = mean_interval(per_turn)
-    if got is None:
-        return "one turn, no interval"
-    mean, lo, hi = got
-    return f"mean {mean * 100:+.2f}%, 95% interval {lo * 100:+.2f}% to {hi * 100:+.2f}% over {len(per_turn)} turns"
 
 
 def _ratio(value: float | None, by: float) -> float | None:
@@ -248,9 +240,9 @@ def render_markdown(r: dict[str, Any]) -> str:
     if budget_turns:
         out += [
             "",
-            f"The budgeted engine's slowdown turn by turn ({_interval_text(budget_turns)}): the drift between turns "
-            "on this machine is wider than the budget itself, so the step-time target is decided only to that "
-            "precision; the engine cost (what the controller measures and bounds) is exact.",
+            f"The budgeted engine's slowdown turn by turn ({fmt_interval(budget_turns, 'turns')}): the drift "
+            "between turns on this machine is wider than the budget itself, so the step-time target is decided "
+            "only to that precision; the engine cost (what the controller measures and bounds) is exact.",
         ]
     out += [
         "",

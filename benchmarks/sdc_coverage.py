@@ -107,6 +107,7 @@ FAULTY: dict[str, dict[str, Any]] = {
 KINDS = ("persistent", "transient", "faulty_device", "flaky_device")
 """Kinds of fault, reported apart; a device that corrupts every step is ``faulty_device``, one at a lower rate
 ``flaky_device`` (no goal: a replay on it sees the fault only at that rate)."""
+DEVICE_KINDS = ("faulty_device", "flaky_device")
 SLACK_STEPS = 5
 """Steps after a replay round that a verdict may take (its vote, the agreement that carries it)."""
 _COUNTS = ["trials", "caught", "flagged", "missed", "no effect", "coverage (95% CI)"]
@@ -328,7 +329,7 @@ def _rank(rank: int, preset: str, scale: int | None, trials: list[dict[str, Any]
         reset()
         injector = BitFlipInjector(model, [opt], rank=rank)
         plan = []
-        device = trial is not None and "rate" in trial  # a faulty device (every step or flaky)
+        device = trial is not None and trial["kind"] in DEVICE_KINDS
         if trial is not None and not device:
             shape = PATTERNS[trial["pattern"]]
             plan = [FlipSpec(trial["location"], trial["step"], trial["rank"], trial["bit_class"], seed=trial["seed"],
@@ -337,9 +338,9 @@ def _rank(rank: int, preset: str, scale: int | None, trials: list[dict[str, Any]
         detected = named = None
         state["kept"].clear()
         # a faulty device is given the stated bound after its onset: the schedule meets it within that many steps
-        end = max(2 * w, trial["step"] + 1 + bound) if device and trial is not None and bound else 2 * w
+        end = max(2 * w, trial["step"] + 1 + bound) if device and bound else 2 * w
         while i < end and steps < 2 * end:
-            if device and trial is not None and i == trial["step"] and not armed:
+            if device and i == trial["step"] and not armed:
                 armed = True
                 if rank == trial["rank"]:
                     injector.faulty_device("grad", 1, bit_class=trial["bit_class"], rate=trial["rate"],
@@ -372,7 +373,7 @@ def _rank(rank: int, preset: str, scale: int | None, trials: list[dict[str, Any]
         r = run(trial)
         # a device that corrupts every step (or at a rate) changes the run by construction, and its trials run past
         # the clean reference's length: undetected is missed
-        r["effect"] = "rate" in trial or r["final"] != reference["final"]
+        r["effect"] = trial["kind"] in DEVICE_KINDS or r["final"] != reference["final"]
         del r["final"]
         results.append(r)
     # overhead: windows of w steps of each arm, A B B A, both warm; each arm goes on with its own state

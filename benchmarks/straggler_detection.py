@@ -51,10 +51,10 @@ from benchmarks._common import (
     check_load_at_start,
     command_line,
     finish_load,
+    fmt_interval,
     fmt_pct,
     machine_info,
     md_table,
-    mean_interval,
     now_iso,
     print_flush,
     summarize,
@@ -116,12 +116,7 @@ def _onset(results: list[dict[str, Any]]) -> int | None:
 
 
 def _blocks(o: dict[str, Any]) -> str:
-    got = o.get("per_block_interval")
-    if not got:
-        return ""
-    mean, lo, hi = got
-    return (f"; block by block {fmt_pct(mean)}, 95% interval {fmt_pct(lo)} to {fmt_pct(hi)} over "
-            f"{len(o['per_block'])} blocks")  # fmt: skip
+    return f"; block by block {fmt_interval(o['per_block'], 'blocks')}" if len(o.get("per_block") or []) > 1 else ""
 
 
 def _score_slow(results: list[list[dict[str, Any]]]) -> dict[str, Any]:
@@ -294,7 +289,6 @@ def real_ddp(args: argparse.Namespace, workload: str) -> dict[str, Any]:
             "mean_fraction": mean_with / mean_plain - 1.0,
             "p99_fraction": float(np.percentile(with_p, 99)) / float(np.percentile(plain_p, 99)) - 1.0,
             "per_block": per_block,
-            "per_block_interval": mean_interval(per_block),
             "hooks_s_per_step_mean": statistics.fmean(hook_s),
             "hooks_fraction": statistics.fmean(hook_s) / step_median,
             "driver_s_per_step_mean": statistics.fmean(driver_s),
