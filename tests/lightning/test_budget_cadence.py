@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from lightning.pytorch import Trainer
 
 from lightning_resilience.checkpoint.cadence import BUDGET
 from lightning_resilience.checkpoint.config import CheckpointConfig
@@ -21,23 +22,30 @@ from lightning_resilience.lightning.callbacks.resilience_report import Resilienc
 from lightning_resilience.lightning.callbacks.sdc import SDCVerification
 from lightning_resilience.lightning.callbacks.straggler import StragglerDetection
 from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
+from lightning_resilience.lightning.coordination import Suite
 from lightning_resilience.report import REPORT_NAME
 from lightning_resilience.sdc.config import SDCConfig
 from tests.lightning._training import CrashAt, build, trainer
 
 pytestmark = pytest.mark.timeout(120)
+REVIEW_STEPS = 5
 
 
 def _fit(run: Path, steps: int, *extra: object) -> TieredCheckpoint:
+    return _fit_trainer(run, steps, *extra)[0]
+
+
+def _fit_trainer(run: Path, steps: int, *extra: object) -> tuple[TieredCheckpoint, Trainer]:
     ckpt = TieredCheckpoint(
         [MemoryTier(every_n_steps=BUDGET, keep=2), LocalTier(run / "ckpt", every_n_steps=BUDGET, keep=2)],
-        config=CheckpointConfig(cadence_review_steps=5),
+        config=CheckpointConfig(cadence_review_steps=REVIEW_STEPS),
     )
     ft = FaultTolerance(FaultToleranceConfig(run_dir=str(run), ledger_interval_s=0.0, nvrx="off"))
     report = ResilienceReportCallback(run, print_table=False, plots=False)
     model, data = build()
-    trainer(steps, [ft, ckpt, report, *extra]).fit(model, datamodule=data)  # type: ignore[list-item]
-    return ckpt
+    fitted = trainer(steps, [ft, ckpt, report, *extra])  # type: ignore[list-item]
+    fitted.fit(model, datamodule=data)
+    return ckpt, fitted
 
 
 def test_budgeted_cadences_are_said_at_fit_start_in_the_report_and_in_the_ledger(
@@ -80,8 +88,13 @@ def test_the_detectors_work_is_counted_against_the_budget(tmp_path: Path) -> Non
     counted)."""
     sdc = SDCVerification(SDCConfig(replay_every_n_steps=4))
     straggler = StragglerDetection()
-    ckpt = _fit(tmp_path, 30, sdc, straggler)
+    ckpt, fitted = _fit_trainer(tmp_path, 30, sdc, straggler)
     assert ckpt.manager is not None and sdc.monitor is not None
+    stats = sdc.monitor.stats
+    assert stats.replay_rounds >= 5 and stats.guard_seconds > 0 and stats.replay_seconds > 0 and straggler.spent_s > 0
+    # what the suite counts: the guards and the straggler step ends, not the replay rounds
+    counted = Suite.of(fitted).detector_seconds()
+    assert counted == pytest.approx(stats.guard_seconds + straggler.spent_s, rel=1e-9)
+    # what the controller took at its last review: a share of it, per step (in whole microseconds)
     measured = ckpt.manager.cadence.report()["measured"]
-    assert sdc.monitor.stats.replay_rounds >= 5 and sdc.monitor.stats.guard_seconds > 0 and straggler.spent_s > 0
-    assert 0 < measured["detectors_s"] < sdc.monitor.stats.replay_seconds / 30, measured
+    assert 0 < measured["detectors_s"] <= counted + 1e-6, (measured, counted)
