@@ -1,8 +1,10 @@
 """Hang detection for one rank: a watchdog thread times named sections against calibrated timeouts.
 
 The training thread reports where it is (``watchdog.switch("step")``); the watchdog thread sleeps until the current
-section's deadline (or until woken by a switch) and, when a section outlives its timeout, hands a :class:`Hang` to
-the ``on_hang`` handler. The default handler (:class:`HangHandler`) dumps every thread's stack, writes a fault note
+section's deadline (at most ``max_wait_s``) and, when a section outlives its timeout, hands a :class:`Hang` to the
+``on_hang`` handler. A switch wakes the thread only when the new section's deadline comes before the thread's own
+wake-up: on an ordinary step (a timeout longer than the wait) the training thread sets no event and causes no
+thread switch. The default handler (:class:`HangHandler`) dumps every thread's stack, writes a fault note
 and ends the process with ``ExitCode.HANG``: the main thread is stuck, so nothing else can end it.
 """
 
@@ -184,6 +186,9 @@ class Watchdog:
         self._since = 0.0
         self.step = 0
         self._wake = threading.Event()
+        self._wake_at = math.inf  # when the thread next checks by itself (clock time; inf: not known, so wake it)
+        self.wakes = 0
+        """Switches that had to wake the thread (their deadline came before its own wake-up)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -215,7 +220,15 @@ class Watchdog:
         if left is not None:
             elapsed = now - since
             self.calibrator.observe(left, elapsed)
-        self._wake.set()
+        if section is not None:
+            deadline = now + self.calibrator.timeout(section)
+            with self._lock:
+                wake = deadline < self._wake_at  # the thread would check too late (or its time is not known)
+                if wake:
+                    self._wake_at = math.inf
+            if wake:
+                self.wakes += 1
+                self._wake.set()
         return elapsed
 
     def poke(self) -> None:
@@ -234,12 +247,17 @@ class Watchdog:
             return Hang(section, step, stuck, timeout, self.calibrator.basis(section))
         return None
 
-    def _time_left(self) -> float:
+    def next_check(self) -> float:
+        """Seconds until the thread's next check by itself (the open section's deadline and a small margin, so that
+        the check sees it overrun; at most ``max_wait_s``), recorded as its wake-up time: a :meth:`switch` to a
+        section due earlier wakes it. The thread calls it before each wait."""
         with self._lock:
             section, since = self._section, self._since
-        if section is None:
-            return math.inf
-        return self.calibrator.timeout(section) - (self._clock() - since)
+            now = self._clock()
+            left = math.inf if section is None else self.calibrator.timeout(section) - (now - since)
+            wait = min(max(left + 0.01, 0.001), self._max_wait_s)
+            self._wake_at = now + wait
+        return wait
 
     def _run(self) -> None:
         try:
@@ -250,8 +268,7 @@ class Watchdog:
                     self.fired = hang
                     self._on_hang(hang)
                     return
-                # a small margin past the deadline, so the check after the wait sees it overrun
-                self._wake.wait(min(max(self._time_left() + 0.01, 0.001), self._max_wait_s))
+                self._wake.wait(self.next_check())
         except BaseException as err:  # re-raised on the training thread by stop()
             self._error = err
 

@@ -283,3 +283,42 @@ def test_hang_handler_still_ends_the_process_when_recording_fails(tmp_path: Path
     HANG_EXIT_CODE = int(ExitCode.HANG)
 
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr[-2000:]
+
+
+def test_a_switch_wakes_the_thread_only_when_it_would_check_too_late() -> None:
+    """An ordinary step sets no event: the thread's own wake-up comes before the step's deadline."""
+    clock = FakeClock()
+    dog = Watchdog(_calibrator(initial={"step": 50.0, "quick": 0.5}), lambda h: None, clock=clock, max_wait_s=1.0)
+    dog.switch("step", step=1)
+    assert dog.wakes == 1  # the thread's wake-up is not known yet
+    assert dog.next_check() == pytest.approx(1.0)  # what the thread does before it waits: at most max_wait_s
+    for step in range(2, 100):
+        clock.advance(0.01)
+        dog.switch("step", step=step)
+        dog.switch(None)  # out of any section: nothing to check sooner
+    assert dog.wakes == 1
+    clock.advance(0.5)  # past the thread's wake-up: it is checking by itself now
+    dog.switch("step", step=100)
+    assert dog.wakes == 1
+    assert dog.next_check() == pytest.approx(1.0)
+    dog.switch("quick")  # due in 0.5 s, before the thread's own check
+    assert dog.wakes == 2
+
+
+def test_a_short_section_opened_during_a_long_wait_is_timed_at_its_own_deadline() -> None:
+    """Real clock and thread: the thread waits up to 60 s by itself; a section with a 50 ms timeout wakes it."""
+    fired = threading.Event()
+    hangs: list[Hang] = []
+    dog = Watchdog(
+        _calibrator(initial={"step": 50.0, "quick": 0.05}, enabled=False),
+        lambda h: (hangs.append(h), fired.set()),
+        max_wait_s=60.0,
+    )
+    dog.start()
+    try:
+        dog.switch("step", step=1)
+        dog.switch("quick", step=2)
+        assert fired.wait(WAIT_S)
+    finally:
+        dog.stop()
+    assert [(h.section, h.step) for h in hangs] == [("quick", 2)]
