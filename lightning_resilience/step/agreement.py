@@ -208,13 +208,15 @@ class TreeAgreement:
         return pending
 
     def close(self, timeout: timedelta = timedelta(seconds=5)) -> bool:
-        """Stop the thread after the rounds already issued (bounded); True when it has ended."""
+        """Stop the thread after the rounds already issued, once the last round's sends are delivered (a slower
+        peer still has to receive its agreed vector: dropped with the group, it would wait for it until its own
+        deadline); bounded by ``timeout`` (and a second for the thread to end). True when the thread has ended."""
         with self._lock:
             thread, self._thread = self._thread, None
         if thread is None:
             return True
-        self._queue.put(_STOP)
-        thread.join(timeout.total_seconds())
+        self._queue.put((_STOP, Deadline(timeout)))
+        thread.join(timeout.total_seconds() + 1.0)
         if thread.is_alive():
             log.warning("agreement %r: its thread did not end within %s (a round is still waiting)", self.name, timeout)
         return not thread.is_alive()
@@ -223,7 +225,8 @@ class TreeAgreement:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            if item is _STOP:
+            if item[0] is _STOP:
+                self._deliver(item[1])
                 return
             (kind, body, ops), pending = item
             with self._lock:
@@ -281,6 +284,15 @@ class TreeAgreement:
         for work in sent:
             if not work.is_completed():
                 work.wait(deadline.bound(self.timeout))
+
+    def _deliver(self, deadline: Deadline) -> None:
+        """At close: the last round's sends, delivered before the group may go (a peer gone or hung: logged)."""
+        if self._failed is not None:
+            return
+        try:
+            self._settle_sends(deadline)
+        except Exception as err:  # the peer's own round fails or times out: it says so
+            log.warning("agreement %r: the last round's answer did not reach a peer at close (%s)", self.name, err)
 
     def _gather(self, payload: bytes, pending: Pending) -> list[tuple[int, bytes]]:
         deadline = Deadline(self.timeout)

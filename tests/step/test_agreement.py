@@ -116,3 +116,59 @@ def test_a_result_that_does_not_arrive_in_time_breaks_the_agreement() -> None:
     with pytest.raises(CollectiveTimeoutError, match=r"step\.agree of step 9 not agreed within 0\.01s"):
         pending.result(timedelta(seconds=0.01))
     assert tree.stats.waits == 1
+
+
+class _Send:
+    """A send still in flight until the test lets it land."""
+
+    def __init__(self) -> None:
+        self.waited, self.landed = threading.Event(), threading.Event()
+
+    def is_completed(self) -> bool:
+        return self.landed.is_set()
+
+    def wait(self, timeout: timedelta) -> bool:
+        self.waited.set()
+        if not self.landed.wait(timeout.total_seconds()):
+            raise CollectiveTimeoutError("send not delivered", op="step.agree", group="step")
+        return True
+
+
+class _ParentGroup:
+    """Rank 0 of 2: its child's part arrives at once; what it sends down stays in flight until the test says."""
+
+    name, timeout, rank, world_size, distributed = "step", timedelta(seconds=30), 0, 2, True
+
+    def __init__(self) -> None:
+        self.sends: list[_Send] = []
+
+    def swap(self, sends: Any, recvs: Any, **_: Any) -> list[_Send]:
+        for _, tensor in recvs:
+            tensor.fill_(7)
+        self.sends += [_Send() for _ in sends]
+        return self.sends[-len(sends) :] if sends else []
+
+
+def test_close_delivers_the_last_rounds_answer_before_the_thread_ends() -> None:
+    """A child slower than its parent must still receive the last agreed vector: the parent's close waits for the
+    send (bounded) instead of dropping it with the group."""
+    group = _ParentGroup()
+    tree = TreeAgreement(group)  # type: ignore[arg-type]
+    assert tree.reduce([3], [Op.MAX], op="step.agree", step=0).result() == [7]
+    (send,) = group.sends
+    closed: list[bool] = []
+    closer = threading.Thread(target=lambda: closed.append(tree.close(timedelta(seconds=30))))
+    closer.start()
+    assert send.waited.wait(10)  # the thread is waiting for the send to land
+    assert closer.is_alive() and not closed
+    send.landed.set()
+    closer.join(10)
+    assert closed == [True]
+
+
+def test_close_gives_up_on_an_answer_a_peer_never_takes_within_its_bound() -> None:
+    group = _ParentGroup()
+    tree = TreeAgreement(group)  # type: ignore[arg-type]
+    tree.reduce([3], [Op.MAX], op="step.agree", step=0).result()
+    assert tree.close(timedelta(seconds=0.2))  # logged; the thread ends within the bound
+    assert group.sends[0].waited.is_set() and not group.sends[0].landed.is_set()
