@@ -3,7 +3,7 @@ cross-check at scale, labelled as such.
 
 Run from the repository root, on a quiet machine (other jobs on the machine make real stragglers of their own)::
 
-    python -m benchmarks.straggler_detection            # about 25 minutes on 2 cores
+    python -m benchmarks.straggler_detection            # about 30 minutes on 2 cores
     python -m benchmarks.straggler_detection --quick    # smoke mode, about 2 minutes
 
 **Real ranks** (the published figures). ``torchrun --standalone --nproc-per-node 2 -m benchmarks._straggler_ddp``:
@@ -426,7 +426,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--onset-min", type=int, default=40)
     p.add_argument("--onset-max", type=int, default=None, help="latest onset (default 70)")
     p.add_argument("--post-steps", type=int, default=None, help="steps after the onset (default 30)")
-    p.add_argument("--ab-blocks", type=int, default=None, help="clean/plain trial pairs (default 4)")
+    p.add_argument("--ab-blocks", type=int, default=None, help="clean/plain trial pairs (default 10)")
     p.add_argument("--ab-steps", type=int, default=None, help="steps per clean or plain trial (default 260)")
     p.add_argument("--synth-world", type=int, default=8)
     p.add_argument("--synth-trials", type=int, default=None, help="synthetic trials per factor (default 50)")
@@ -446,7 +446,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "fsdp_trials": 0 if q else 4,
         "onset_max": 45 if q else 70,
         "post_steps": 20 if q else 30,
-        "ab_blocks": 1 if q else 4,
+        "ab_blocks": 1 if q else 10,
         "ab_steps": 60 if q else 260,
         "synth_trials": 2 if q else 50,
         "synth_clean_trials": 1 if q else 20,
