@@ -56,12 +56,30 @@ class Tiny(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+def _reference_item(i: int, table: dict[int, Any]) -> int:
+    return (i * 3) ^ len(table)
+
+
+def reference_work() -> float:
+    """A fixed piece of host work of the suite's kind (Python calls, small containers, tiny tensor ops), timed on the
+    calling thread's CPU clock: what the same code costs this process at this N, whatever the contention."""
+    start = time.thread_time()
+    table: dict[int, Any] = {}
+    for i in range(400):
+        table[i % 17] = _reference_item(i, table)
+        if i % 8 == 0:
+            table[i % 5] = torch.zeros(4).add_(i).tolist()
+    return time.thread_time() - start
+
+
 class Clock(Callback):
-    """Step periods and the time to the first batch; the process's descriptors at mid-fit."""
+    """Step periods and the time to the first batch; the process's descriptors at mid-fit; the reference work's CPU
+    time at every step (the same work at every N: how much slower the machine's contention makes host code)."""
 
     def __init__(self, steps: int) -> None:
         self.steps = steps
         self.starts: list[float] = []
+        self.reference: dict[int, float] = {}
         self.fit_start = 0.0
         self.fds = 0
 
@@ -69,6 +87,7 @@ class Clock(Callback):
         self.fit_start = time.perf_counter()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self.reference[trainer.global_step] = reference_work()
         self.starts.append(time.perf_counter())
         if trainer.global_step == self.steps // 2:
             self.fds = len(os.listdir("/proc/self/fd"))
@@ -172,6 +191,7 @@ def fit_once(suite: bool, steps: int, world: int, run_dir: Path, *, count: bool 
         "periods_s": [b - a for a, b in zip(clock.starts, clock.starts[1:])],
         "first_batch_s": (clock.starts[0] - clock.fit_start) if clock.starts else None,
         "fds": clock.fds,
+        "reference_cpu_s_by_step": {str(k): v for k, v in sorted(clock.reference.items())},
         "wall_s": wall,
     }
     if suite:

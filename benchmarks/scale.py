@@ -13,6 +13,10 @@ last), on every rank:
 * **the suite's time on the training thread**: the time inside the suite's callbacks' hooks plus the step driver's
   own (its round's issue at the batch start, then finish, agree, act, snapshot, stop, bookkeeping): what the suite
   itself costs the step, whatever the rest of the machine does;
+* a **reference**: the CPU time of a fixed piece of host work of the suite's kind (Python calls, small containers,
+  tiny tensor ops), run on the training thread at every batch start of the same fits. With N processes on 2 cores
+  the same code takes more CPU time as N grows (cache and scheduler work charged to the thread); the suite's CPU
+  time in units of the reference divides that out, and grows only if the suite's own work does;
 * the step period with and without the suite (what the user feels; on 2 cores with N processes it is mostly the
   machine's scheduling, not the code);
 * file descriptors per rank at mid-fit without and with the suite, and the time from fit start to the first batch.
@@ -106,6 +110,7 @@ def summarize_n(n: int, ranks: list[dict[str, Any]], steps: int) -> dict[str, An
     """One N: the suite's own time per ordinary step, the step periods, descriptors, set-up, round latencies."""
     suite_ms: list[float] = []
     cpu_ms: list[float] = []
+    reference_ms: list[float] = []
     rank0_ms: list[float] = []
     periods: dict[bool, list[float]] = {False: [], True: []}
     fds: dict[bool, list[int]] = {False: [], True: []}
@@ -126,6 +131,7 @@ def summarize_n(n: int, ranks: list[dict[str, Any]], steps: int) -> dict[str, An
                 per_step = [1e3 * v for v in _ordinary(fit["suite_s_by_step"], steps)]
                 suite_ms += per_step
                 cpu_ms += [1e3 * v for v in _ordinary(fit["suite_cpu_s_by_step"], steps)]
+                reference_ms += [1e3 * v for v in _ordinary(fit.get("reference_cpu_s_by_step", {}), steps)]
                 if res["rank"] == 0:
                     rank0_ms += per_step
                 late += int(fit["agreement"]["late"])
@@ -147,6 +153,7 @@ def summarize_n(n: int, ranks: list[dict[str, Any]], steps: int) -> dict[str, An
             "p99": _pct(cpu_ms, 99),
         },
         "suite_calls": {"median": statistics.median(calls), "mean": statistics.fmean(calls), "max": max(calls)},
+        **(_in_reference_units(cpu_ms, reference_ms) if reference_ms else {}),
         "rank0_suite_ms_mean": statistics.fmean(rank0_ms) if rank0_ms else None,
         "period_ms": {
             "without": {"mean": 1e3 * mean[False], "p99": 1e3 * _pct(periods[False], 99)},
@@ -165,6 +172,19 @@ def summarize_n(n: int, ranks: list[dict[str, Any]], steps: int) -> dict[str, An
         "gather_ms": {
             "small": 1e3 * statistics.median(ranks[0]["gather_small_s"]),
             "large": 1e3 * statistics.median(ranks[0]["gather_large_s"]),
+        },
+    }
+
+
+def _in_reference_units(cpu_ms: list[float], reference_ms: list[float]) -> dict[str, Any]:
+    """The suite's CPU time per step over the reference work's, both on the training thread of the same fits: the
+    contention of N processes on the cores divided out (what is left grows only if the suite's work does)."""
+    ref = {"median": statistics.median(reference_ms), "mean": statistics.fmean(reference_ms)}
+    return {
+        "reference_cpu_ms": ref,
+        "suite_cpu_in_reference": {
+            "median": statistics.median(cpu_ms) / ref["median"],
+            "mean": statistics.fmean(cpu_ms) / ref["mean"],
         },
     }
 
@@ -294,6 +314,10 @@ def assess(result: dict[str, Any], alpha_cluster_s: float) -> dict[str, Any]:
     if counted:
         slopes["calls_mean"] = _slope(rows, "suite_calls", "mean")
         slopes["calls_median"] = _slope(rows, "suite_calls", "median")
+    referenced = all("suite_cpu_in_reference" in r for r in rows)
+    if referenced:
+        slopes["cpu_ref_median"] = _slope(rows, "suite_cpu_in_reference", "median")
+        slopes["cpu_ref_mean"] = _slope(rows, "suite_cpu_in_reference", "mean")
     result["slopes"] = {k: {"per_rank": v[0], "at_2": v[1], "relative": v[0] / v[1]} for k, v in slopes.items()}
     result["model"] = model(rows, alpha_cluster_s)
     rel = result["slopes"]
@@ -318,6 +342,18 @@ def assess(result: dict[str, Any], alpha_cluster_s: float) -> dict[str, Any]:
             "<=",
             0.01,
         ),
+    ]
+    result["targets"] += [
+        target(
+            f"suite CPU time per ordinary step in units of a fixed reference work's (same thread, same fits), {stat}: "
+            "slope per rank / value at 2 ranks",
+            rel[f"cpu_ref_{stat}"]["relative"] if referenced else None,
+            "<=",
+            0.01,
+        )
+        for stat in ("median", "mean")
+    ]
+    result["targets"] += [
         target("suite time per ordinary step at 2 ranks (trivial model)", rows[0]["suite_ms"]["mean"], "<=", 5.0, "ms"),
         target(
             "file descriptors the suite adds per rank, less N (most over N; goal: at most N + 16)",
@@ -343,6 +379,7 @@ def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
             f"{row['suite_ms']['mean']:.2f}",
             f"{row['suite_ms']['p99']:.2f}",
             f"{row['suite_cpu_ms']['mean']:.2f}",
+            _reference_cell(row),
             f"{row['suite_calls']['mean']:.0f} / {row['suite_calls']['max']}" if "suite_calls" in row else "-",
             f"{row['period_ms']['without']['mean']:.1f}",
             f"{row['period_ms']['with']['mean']:.1f}",
@@ -361,6 +398,7 @@ def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
                 "suite ms/step (mean)",
                 "suite p99",
                 "suite CPU ms/step",
+                "reference CPU ms (suite CPU in its units), median",
                 "suite calls/step (mean / most)",
                 "step ms without",
                 "step ms with",
@@ -385,6 +423,12 @@ def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
             f"; calls per step: mean {r['slopes']['calls_mean']['per_rank']:.2f} per rank, "
             f"{r['slopes']['calls_mean']['at_2']:.0f} at 2"
             if "calls_mean" in r["slopes"]
+            else ""
+        )
+        + (
+            f"; CPU in units of the reference work (median): {r['slopes']['cpu_ref_median']['per_rank']:+.4f} per "
+            f"rank, {r['slopes']['cpu_ref_median']['at_2']:.2f} at 2"
+            if "cpu_ref_median" in r["slopes"]
             else ""
         )
         + ". The wall time holds the time the training thread is descheduled while N processes share the cores "
@@ -413,6 +457,12 @@ def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
         shown = "n/a" if value is None else f"{value:.3g}"
         lines.append(f"- {t['name']}: {shown} {t.get('unit', '')} ({t['verdict']})")
     return "\n".join(lines) + "\n"
+
+
+def _reference_cell(row: dict[str, Any]) -> str:
+    if "reference_cpu_ms" not in row:
+        return "-"
+    return f"{row['reference_cpu_ms']['median']:.3f} ({row['suite_cpu_in_reference']['median']:.1f}x)"
 
 
 def readme_summary(r: dict[str, Any]) -> str:

@@ -31,5 +31,7 @@ def test_scale_benchmark_measures_the_suite_per_step_and_predicts_at_scale(tmp_p
     assert row["rounds"] > 0 and row["fds_per_rank"]["with"] > row["fds_per_rank"]["without"]
     assert {p["ranks"] for p in r["model"]["predictions"]} == set(PREDICT_AT)
     assert all(p["round_ms"] > 0 for p in r["model"]["predictions"])
-    assert len(r["targets"]) == 6 and "load" in r["machine"]
+    # the reference work was timed on the same thread: the suite's CPU time in its units
+    assert row["reference_cpu_ms"]["median"] > 0 and row["suite_cpu_in_reference"]["median"] > 0
+    assert len(r["targets"]) == 8 and "load" in r["machine"]
     assert "suite CPU ms/step" in render_markdown(r) and readme_summary(r).startswith("**scale**")
