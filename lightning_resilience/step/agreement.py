@@ -287,7 +287,9 @@ class TreeAgreement:
 
     def _deliver(self, deadline: Deadline) -> None:
         """At close: the last round's sends, delivered before the group may go (a peer gone or hung: logged)."""
-        if self._failed is not None:
+        with self._lock:
+            failed = self._failed
+        if failed is not None:
             return
         try:
             self._settle_sends(deadline)

@@ -28,7 +28,6 @@ from lightning_resilience.sdc.config import SDCConfig
 from tests.lightning._training import CrashAt, build, trainer
 
 pytestmark = pytest.mark.timeout(120)
-REVIEW_STEPS = 5
 
 
 def _fit(run: Path, steps: int, *extra: object) -> TieredCheckpoint:
@@ -38,7 +37,7 @@ def _fit(run: Path, steps: int, *extra: object) -> TieredCheckpoint:
 def _fit_trainer(run: Path, steps: int, *extra: object) -> tuple[TieredCheckpoint, Trainer]:
     ckpt = TieredCheckpoint(
         [MemoryTier(every_n_steps=BUDGET, keep=2), LocalTier(run / "ckpt", every_n_steps=BUDGET, keep=2)],
-        config=CheckpointConfig(cadence_review_steps=REVIEW_STEPS),
+        config=CheckpointConfig(cadence_review_steps=5),
     )
     ft = FaultTolerance(FaultToleranceConfig(run_dir=str(run), ledger_interval_s=0.0, nvrx="off"))
     report = ResilienceReportCallback(run, print_table=False, plots=False)
