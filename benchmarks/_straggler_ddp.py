@@ -15,7 +15,9 @@ A trial is ``kind:rank:factor:onset:steps[:strategy]`` (strategy ``ddp``, the de
   the gradient all-reduce.
 * ``data``: the same delay in the rank's data loader (its ``collate_fn``): a slow data path on one node.
 * ``job``: every rank's forward is slowed so: a job-wide slowdown.
-* ``clean``: nothing is slowed. ``plain``: clean, and without the detector (the overhead baseline).
+* ``clean``: nothing is slowed. ``plain``: clean, and without the detector (the overhead baseline). ``path``: clean,
+  with the suite's step path but no detector (``ResiliencePolicy()`` alone: the step driver and its one agreement
+  per step), which tells the detector's own share of the overhead from the step path's that every preset has.
 
 The sleep is deterministic and relative to the measured step, so noise from other processes on the machine hits
 the slow and the fast ranks alike. Each rank writes ``DIR/rank<r>.json``: per trial the actual onset (the first
@@ -41,10 +43,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
+from lightning_resilience.lightning.callbacks.policy import ResiliencePolicy
 from lightning_resilience.lightning.callbacks.straggler import StragglerDetection
 from lightning_resilience.lightning.coordination import Suite
 
-KINDS = ("compute", "data", "job", "clean", "plain")
+KINDS = ("compute", "data", "job", "clean", "plain", "path")
 STRATEGIES = ("ddp", "fsdp")
 PERIOD_WINDOW = 20
 
@@ -203,8 +206,10 @@ def run_trial(trial: Trial, args: argparse.Namespace, index: int) -> dict[str, A
     data = TensorDataset(torch.randn(n, args.width, generator=gen), torch.randn(n, 1, generator=gen))
     loader = DataLoader(data, batch_size=args.batch, shuffle=True, collate_fn=_Collate(injection))
     drill = _Drill(trial, injection)
-    detection = _TimedDetection() if trial.kind != "plain" else None
+    detection = _TimedDetection() if trial.kind not in ("plain", "path") else None
     callbacks: list[Callback] = [drill] + ([detection] if detection is not None else [])
+    if trial.kind == "path":
+        callbacks.append(ResiliencePolicy())
     trainer = Trainer(
         max_steps=trial.steps,
         accelerator="cpu",
@@ -232,6 +237,8 @@ def run_trial(trial: Trial, args: argparse.Namespace, index: int) -> dict[str, A
         "periods_s": [b - a for a, b in zip(drill.starts, drill.starts[1:])],
         "wall_s": time.perf_counter() - started,
     }
+    if trial.kind == "path":
+        out["driver_s_per_step"] = _driver_seconds(trainer) / max(1, trial.steps)
     if detection is not None and detection.detector is not None:
         det = detection.detector
         out.update(

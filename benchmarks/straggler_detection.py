@@ -19,7 +19,9 @@ MLP, all real CPU compute; the machine's own noise reaches the ranks unfiltered)
   of the slow trials (a verdict on another rank, another component, or before the onset is false);
 * false verdicts per 1,000 clean steps, from clean trials (which double as the "with detector" arm below);
 * overhead: the mean step period with the detector against without it, in interleaved trials of the same launch
-  (what the user feels), and the time spent inside the callback's hooks per step (what it costs).
+  (what the user feels), and the time spent inside the callback's hooks per step (what it costs). A third arm, the
+  suite's step path alone (``ResiliencePolicy()``: the step driver and its one agreement a step, which every preset
+  has), tells the detector's own share from the step path's.
 
 **Synthetic** (a cross-check at scale, not the published claim): 8 simulated ranks feed the real detector through
 fake clocks; every step, every rank waits in a modelled collective until the slowest rank arrives, so whole-step
@@ -80,6 +82,8 @@ README_PENDING = (
 
 REAL_FACTORS = (1.2, 1.5)
 KINDS = ("compute", "data")
+AB_ARMS = ("clean", "path", "plain")
+"""The overhead's arms: with the detector, the suite's step path alone (``ResiliencePolicy()``), nothing."""
 TARGET_LATENCY = {1.2: 20, 1.5: 10}  # slow steps, on real ranks
 TARGET_FALSE_PER_1K = 0.0
 TARGET_OVERHEAD = 0.005
@@ -215,11 +219,11 @@ def real_ddp(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     order = rng.permutation(len(slow))  # kinds and factors interleaved: drift of the machine hits them alike
     slow = [slow[i] for i in order]
     ab = []
-    for block in range(args.ab_blocks):  # clean with the detector / plain, alternating which goes first
-        pair = [f"clean:-1:1.0:0:{args.ab_steps}", f"plain:-1:1.0:0:{args.ab_steps}"]
-        ab += pair if block % 2 == 0 else pair[::-1]
+    arms = [f"{kind}:-1:1.0:0:{args.ab_steps}" for kind in AB_ARMS]
+    for block in range(args.ab_blocks):  # with the detector / the step path alone / plain; each goes first in turn
+        ab += arms[block % len(arms) :] + arms[: block % len(arms)]
     t0 = pc()
-    print_flush(f"[straggler] {workload}: {len(slow)} slow trials, {len(ab)} interleaved clean / plain trials ...")
+    print_flush(f"[straggler] {workload}: {len(slow)} slow trials, {len(ab)} interleaved clean / path / plain trials")
     with tempfile.TemporaryDirectory() as tmp:
         results = _launch([s for _, _, s in slow] + ab, workload, args, Path(tmp))
     slow_results, ab_results = results[: len(slow)], results[len(slow) :]
@@ -251,17 +255,26 @@ def real_ddp(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     with_p = [p for r in clean for rank in r for p in rank["periods_s"][WARM_STEPS:]]
     plain = [r for r in ab_results if r[0]["trial"]["kind"] == "plain"]
     plain_p = [p for r in plain for rank in r for p in rank["periods_s"][WARM_STEPS:]]
+    path = [r for r in ab_results if r[0]["trial"]["kind"] == "path"]
+    path_p = [p for r in path for rank in r for p in rank["periods_s"][WARM_STEPS:]]
+    path_driver_s = [rank.get("driver_s_per_step", 0.0) for r in path for rank in r]
     hook_s = [rank["detector_s_per_step"] for r in clean for rank in r]
     exchange_s = [rank["exchange_s_per_step"] for r in clean for rank in r]
     driver_s = [rank.get("driver_s_per_step", 0.0) for r in clean for rank in r]
-    # per block (a clean and a plain trial side by side): the slowdown, and how precisely the blocks pin it down
-    blocks = [ab_results[i : i + 2] for i in range(0, len(ab_results) - 1, 2)]
-    per_block = []
-    for pair in blocks:
-        by_kind = {r[0]["trial"]["kind"]: [p for rank in r for p in rank["periods_s"][WARM_STEPS:]] for r in pair}
-        if by_kind.get("clean") and by_kind.get("plain"):
-            per_block.append(statistics.fmean(by_kind["clean"]) / statistics.fmean(by_kind["plain"]) - 1.0)
+    # per block (the three arms side by side): the slowdowns, and how precisely the blocks pin them down
+    blocks = [ab_results[i : i + len(AB_ARMS)] for i in range(0, len(ab_results), len(AB_ARMS))]
+    per_block, per_block_path, per_block_own = [], [], []
+    for block in blocks:
+        by_kind = {r[0]["trial"]["kind"]: [p for rank in r for p in rank["periods_s"][WARM_STEPS:]] for r in block}
+        mean = {kind: statistics.fmean(periods) for kind, periods in by_kind.items() if periods}
+        if {"clean", "plain"} <= mean.keys():
+            per_block.append(mean["clean"] / mean["plain"] - 1.0)
+        if {"path", "plain"} <= mean.keys():
+            per_block_path.append(mean["path"] / mean["plain"] - 1.0)
+        if {"clean", "path"} <= mean.keys():
+            per_block_own.append(mean["clean"] / mean["path"] - 1.0)
     mean_with, mean_plain = statistics.fmean(with_p), statistics.fmean(plain_p)
+    mean_path = statistics.fmean(path_p) if path_p else None
     step_median = statistics.median(plain_p)
     return {
         "workload": workload,
@@ -290,6 +303,15 @@ def real_ddp(args: argparse.Namespace, workload: str) -> dict[str, Any]:
             "mean_fraction": mean_with / mean_plain - 1.0,
             "p99_fraction": float(np.percentile(with_p, 99)) / float(np.percentile(plain_p, 99)) - 1.0,
             "per_block": per_block,
+            "step_period_path": summarize(path_p) | {"samples_s": []} if path_p else None,
+            "path_mean_fraction": mean_path / mean_plain - 1.0 if mean_path else None,
+            "path_per_block": per_block_path,
+            "path_driver_s_per_step_mean": statistics.fmean(path_driver_s) if path_driver_s else None,
+            "own_mean_fraction": mean_with / mean_path - 1.0 if mean_path else None,
+            "own_p99_fraction": float(np.percentile(with_p, 99)) / float(np.percentile(path_p, 99)) - 1.0
+            if path_p
+            else None,
+            "own_per_block": per_block_own,
             "hooks_s_per_step_mean": statistics.fmean(hook_s),
             "hooks_fraction": statistics.fmean(hook_s) / step_median,
             "driver_s_per_step_mean": statistics.fmean(driver_s),
@@ -508,6 +530,18 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             f"({fmt_pct(o['hooks_fraction'])})",
         )
     )
+    if o.get("own_mean_fraction") is not None:
+        targets.append(
+            target(
+                "overhead, the detector's own share: mean step period with the detector / with the step path alone - 1",
+                o["own_mean_fraction"],
+                "<=",
+                TARGET_OVERHEAD,
+                "fraction",
+                f"interleaved; the step path alone (ResiliencePolicy, one agreement a step) "
+                f"{fmt_pct(o['path_mean_fraction'])} over none",
+            )
+        )
     finish_load(machine, since)
     return {
         "benchmark": "straggler_detection",
@@ -588,8 +622,19 @@ def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
                 if "driver_s_per_step_mean" in o
                 else f" = {fmt_pct(o['hooks_fraction'])} of the median step."
             ),
-            "",
         ]
+        if o.get("own_mean_fraction") is not None:
+            own = o["own_per_block"]
+            out.append(
+                f"Apart: the suite's step path alone (`ResiliencePolicy()`: the step driver and its one agreement a "
+                f"step, which every preset has) {o['step_period_path']['mean_s'] * 1e3:.1f} ms = "
+                f"**{fmt_pct(o['path_mean_fraction'])}** over none (its driver "
+                f"{o['path_driver_s_per_step_mean'] * 1e3:.2f} ms a step on the training thread); the detector's own "
+                f"share, with it against the step path alone: **{fmt_pct(o['own_mean_fraction'])}** (p99 "
+                f"{fmt_pct(o['own_p99_fraction'])})"
+                + (f"; block by block {fmt_interval(own, 'blocks')}." if len(own) > 1 else ".")
+            )
+        out.append("")
     s = r["synthetic"]
     rows = [
         [g["kind"], f"{g['factor']}x", g["trials"], _f2(g["recall"]), _f2(g["precision"]), g["latency_median"],

@@ -44,9 +44,12 @@ def test_straggler_benchmark_quick_run_writes_figures(tmp_path: Path) -> None:
     over = real["overhead"]
     assert over["step_period_plain"]["mean_s"] > 0 and math.isfinite(over["mean_fraction"])
     assert over["hooks_s_per_step_mean"] > 0
+    # the third arm: the step path alone, which the detector's own share is measured against
+    assert over["step_period_path"]["mean_s"] > 0 and over["path_driver_s_per_step_mean"] > 0
+    assert math.isfinite(over["own_mean_fraction"]) and math.isfinite(over["path_mean_fraction"])
     synth = result["synthetic"]
     assert synth["world"] == 4 and len(synth["groups"]) == 8 and synth["clean"]["steps"] == 200
-    assert {t["verdict"] for t in result["targets"]} <= {"PASS", "MISS"} and len(result["targets"]) == 6
+    assert {t["verdict"] for t in result["targets"]} <= {"PASS", "MISS"} and len(result["targets"]) == 7
 
     from benchmarks.straggler_detection import TITLE, render_markdown
 
