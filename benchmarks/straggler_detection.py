@@ -124,6 +124,11 @@ def _blocks(o: dict[str, Any]) -> str:
     return f"; block by block {fmt_interval(o['per_block'], 'blocks')}" if len(o.get("per_block") or []) > 1 else ""
 
 
+def _periods(trials: list[list[dict[str, Any]]]) -> list[float]:
+    """Every rank's step periods after the warm-up, over the given trials."""
+    return [p for r in trials for rank in r for p in rank["periods_s"][WARM_STEPS:]]
+
+
 def _score_slow(results: list[list[dict[str, Any]]]) -> dict[str, Any]:
     """Latency, recall, precision of slow trials of one (factor, component)."""
     latencies: list[int] = []
@@ -249,30 +254,25 @@ def real_ddp(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     pre_onset_false = sum(
         1 for r in slow_results for v in r[0]["verdicts"] if _onset(r) is not None and v["step"] < (_onset(r) or 0)
     )
-    clean = [r for r in ab_results if r[0]["trial"]["kind"] == "clean"]
+    arm = {kind: [r for r in ab_results if r[0]["trial"]["kind"] == kind] for kind in AB_ARMS}
+    clean, path = arm["clean"], arm["path"]
     clean_steps = sum(r[0]["trial"]["steps"] for r in clean)
     clean_verdicts = [v for r in clean for v in r[0]["verdicts"]]
-    with_p = [p for r in clean for rank in r for p in rank["periods_s"][WARM_STEPS:]]
-    plain = [r for r in ab_results if r[0]["trial"]["kind"] == "plain"]
-    plain_p = [p for r in plain for rank in r for p in rank["periods_s"][WARM_STEPS:]]
-    path = [r for r in ab_results if r[0]["trial"]["kind"] == "path"]
-    path_p = [p for r in path for rank in r for p in rank["periods_s"][WARM_STEPS:]]
+    with_p, path_p, plain_p = (_periods(arm[kind]) for kind in AB_ARMS)
     path_driver_s = [rank.get("driver_s_per_step", 0.0) for r in path for rank in r]
     hook_s = [rank["detector_s_per_step"] for r in clean for rank in r]
     exchange_s = [rank["exchange_s_per_step"] for r in clean for rank in r]
     driver_s = [rank.get("driver_s_per_step", 0.0) for r in clean for rank in r]
     # per block (the three arms side by side): the slowdowns, and how precisely the blocks pin them down
     blocks = [ab_results[i : i + len(AB_ARMS)] for i in range(0, len(ab_results), len(AB_ARMS))]
-    per_block, per_block_path, per_block_own = [], [], []
-    for block in blocks:
-        by_kind = {r[0]["trial"]["kind"]: [p for rank in r for p in rank["periods_s"][WARM_STEPS:]] for r in block}
-        mean = {kind: statistics.fmean(periods) for kind, periods in by_kind.items() if periods}
-        if {"clean", "plain"} <= mean.keys():
-            per_block.append(mean["clean"] / mean["plain"] - 1.0)
-        if {"path", "plain"} <= mean.keys():
-            per_block_path.append(mean["path"] / mean["plain"] - 1.0)
-        if {"clean", "path"} <= mean.keys():
-            per_block_own.append(mean["clean"] / mean["path"] - 1.0)
+    means = [{r[0]["trial"]["kind"]: statistics.fmean(p) for r in block if (p := _periods([r]))} for block in blocks]
+
+    def per_block_of(kind: str, base: str) -> list[float]:
+        return [m[kind] / m[base] - 1.0 for m in means if kind in m and base in m]
+
+    per_block, per_block_path, per_block_own = (
+        per_block_of("clean", "plain"), per_block_of("path", "plain"), per_block_of("clean", "path")
+    )  # fmt: skip
     mean_with, mean_plain = statistics.fmean(with_p), statistics.fmean(plain_p)
     mean_path = statistics.fmean(path_p) if path_p else None
     step_median = statistics.median(plain_p)
@@ -449,7 +449,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--onset-min", type=int, default=40)
     p.add_argument("--onset-max", type=int, default=None, help="latest onset (default 70)")
     p.add_argument("--post-steps", type=int, default=None, help="steps after the onset (default 30)")
-    p.add_argument("--ab-blocks", type=int, default=None, help="clean/plain trial pairs (default 10)")
+    p.add_argument("--ab-blocks", type=int, default=None, help="blocks of clean / path / plain trials (default 10)")
     p.add_argument("--ab-steps", type=int, default=None, help="steps per clean or plain trial (default 260)")
     p.add_argument("--synth-world", type=int, default=8)
     p.add_argument("--synth-trials", type=int, default=None, help="synthetic trials per factor (default 50)")
