@@ -209,7 +209,8 @@ def fit_once(suite: bool, steps: int, world: int, run_dir: Path, *, count: bool 
 
 def _rounds(kind: str, count: int, size: int) -> list[float]:
     """Latency of ``count`` sequential rounds (issue, then wait) of the step agreement."""
-    tree = TreeAgreement(SideGroup("bench", timedelta(seconds=120)))
+    group = SideGroup("bench", timedelta(seconds=120), transport="tcp")  # the step agreement's transport
+    tree = TreeAgreement(group)
     lat = []
     try:
         for i in range(count):
@@ -222,6 +223,7 @@ def _rounds(kind: str, count: int, size: int) -> list[float]:
             lat.append(time.perf_counter() - start)
     finally:
         tree.close()
+        group.close()
     return lat
 
 

@@ -262,7 +262,7 @@ def _rank(rank: int, preset: str, scale: int | None, trials: list[dict[str, Any]
     monitor.setup()
     monitor.attach(lambda b: _loss(model, b), ddp=ddp, synced_loss_fn=lambda b: _loss(ddp, b))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    agreement = TreeAgreement(SideGroup("step", timedelta(seconds=300)))
+    agreement = TreeAgreement(SideGroup("step", timedelta(seconds=300), transport="tcp"))
     state: dict[str, Any] = {"kept": deque(maxlen=3), "goto": None}
 
     def restore(bad: int) -> int | None:
@@ -345,7 +345,10 @@ def _rank(rank: int, preset: str, scale: int | None, trials: list[dict[str, Any]
                 if rank == trial["rank"]:
                     injector.faulty_device("grad", 1, bit_class=trial["bit_class"], rate=trial["rate"],
                                            target=FAULTY_WEIGHT, seed=trial["seed"])  # fmt: skip
+            # a flip is an event in time, not a property of the step: a rerun after a rollback does not flip again
+            # (flipping the same bit twice would undo it)
             injector.on_step(i, plan)
+            plan = [spec for spec in plan if spec.step != i]
             weights = {k: v.clone() for k, v in model.state_dict().items()}
             state["kept"].append((i, weights, copy.deepcopy(opt.state_dict())))
             state["goto"] = None

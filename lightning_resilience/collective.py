@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_resilience._plain_pickle import loads_plain
+from lightning_resilience.deadline import CollectiveError, CollectiveTimeoutError, Deadline
+from lightning_resilience.links import TcpLinks
 
 __all__ = [
     "CollectiveError",
@@ -67,68 +69,9 @@ def set_fault_hook(hook: FaultHook | None) -> FaultHook | None:
     return previous
 
 
-class CollectiveError(RuntimeError):
-    """An agreement across ranks failed: a peer is gone, crashed, or did not answer in time.
-
-    Every rank that took part gets one (a rank whose peers never came gets it at its deadline), so every rank can
-    take the same way out: the job stops and the launcher restarts it. The side group is unusable afterwards.
-
-    Attributes:
-        op: what was being agreed (``checkpoint.agree``, ``peer.exchange``...).
-        group: the side group's name.
-    """
-
-    def __init__(self, message: str, *, op: str = "", group: str = "") -> None:
-        super().__init__(message)
-        self.op, self.group = op, group
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (type(self), str(self), self.op, self.group))
-
-
-class CollectiveTimeoutError(CollectiveError, TimeoutError):
-    """A peer did not arrive at an agreement within the deadline (hung, far behind, or on another path)."""
-
-
-def _rebuild(cls: type[CollectiveError], message: str, op: str, group: str) -> CollectiveError:
-    return cls(message, op=op, group=group)
-
-
-class Deadline:
-    """A point in time by which something must be done; ``remaining()`` shrinks, and is never negative.
-
-    Args:
-        budget: how long from now; None is unbounded (``remaining()`` is then None).
-        clock: monotonic seconds (injectable).
-    """
-
-    def __init__(self, budget: timedelta | None, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._end = None if budget is None else clock() + budget.total_seconds()
-
-    def remaining(self) -> timedelta | None:
-        if self._end is None:
-            return None
-        return timedelta(seconds=max(0.0, self._end - self._clock()))
-
-    @property
-    def expired(self) -> bool:
-        left = self.remaining()
-        return left is not None and left <= timedelta(0)
-
-    def bound(self, limit: timedelta) -> timedelta:
-        """The shorter of ``limit`` and what is left."""
-        left = self.remaining()
-        return limit if left is None else min(limit, left)
-
-    def check(self, what: str) -> None:
-        """Raise :class:`TimeoutError` (an ``OSError``: a failed write, not a crash) once the deadline passed."""
-        if self.expired:
-            raise TimeoutError(f"{what}: deadline passed before it could start")
-
-
 class SideGroup:
-    """A gloo group for small host-side agreements, with a timeout on every wait.
+    """A gloo group for small host-side agreements, with a timeout on every wait (or, with ``transport="tcp"``,
+    direct TCP links for point-to-point exchanges: :mod:`lightning_resilience.links`).
 
     Creating one is collective when ``torch.distributed`` is initialised with several ranks: every rank of the
     default group constructs it, in the same order. Without a process group, or with one rank, every operation is
@@ -140,18 +83,29 @@ class SideGroup:
         parent: the ranks to span (a process group); default all ranks.
         local: a group of this rank alone, whatever the process group (not collective: e.g. a component not yet
             set up).
+        transport: ``gloo``, or ``tcp``: :meth:`exchange` and :meth:`swap` over links of its own, about 25 times
+            less CPU a message than gloo's point-to-point (the step agreement's); no collectives.
     """
 
-    def __init__(self, name: str, timeout: timedelta, parent: Any = None, *, local: bool = False) -> None:
+    def __init__(
+        self, name: str, timeout: timedelta, parent: Any = None, *, local: bool = False, transport: str = "gloo"
+    ) -> None:
         if timeout <= timedelta(0):
             raise ValueError(f"{name}: collective timeout must be > 0, got {timeout}")
+        if transport not in _TRANSPORTS:
+            raise ValueError(f"{name}: transport must be one of {sorted(_TRANSPORTS)}, got {transport!r}")
+        if transport == "tcp" and parent is not None:
+            raise ValueError(f"{name}: a tcp side group spans every rank (no parent group)")
         self.name = name
         self.timeout = timeout
+        self.transport = transport
         self.rank, self.world_size = 0, 1
         self._link = _Link()
         if not local and dist.is_available() and dist.is_initialized():
             self.rank, self.world_size = dist.get_rank(parent), dist.get_world_size(parent)
-            if self.world_size > 1:
+            if self.world_size > 1 and transport == "tcp":
+                self._link.tcp = _new_links(name, self.rank)
+            elif self.world_size > 1:
                 ranks = dist.get_process_group_ranks(parent) if parent is not None else None
                 self._link.group = _new_lazy_group(ranks, timeout)
 
@@ -160,7 +114,7 @@ class SideGroup:
         thread share one group; a failure seen through any view breaks them all (the group underneath is unusable)."""
         if timeout <= timedelta(0):
             raise ValueError(f"{name}: collective timeout must be > 0, got {timeout}")
-        other = SideGroup(name, timeout, local=True)
+        other = SideGroup(name, timeout, local=True, transport=self.transport)
         other.rank, other.world_size, other._link = self.rank, self.world_size, self._link
         return other
 
@@ -185,7 +139,13 @@ class SideGroup:
     @property
     def distributed(self) -> bool:
         """True when there are peers to agree with."""
-        return self._group is not None
+        return self._group is not None or self._link.tcp is not None
+
+    def close(self) -> None:
+        """Close a tcp group's links (what was sent is still delivered; every later call fails). A gloo group goes
+        with the default process group."""
+        if self._link.tcp is not None:
+            self._link.tcp.close()
 
     @property
     def broken(self) -> bool:
@@ -305,10 +265,13 @@ class SideGroup:
         Both sides of every pair must call it with matching lists (``send_to`` of one is ``recv_from`` of the other).
         Ranks are group ranks.
         """
-        if not self._enter(op, step):
+        if not self._enter(op, step, p2p=True):
             return [None for _ in recv_from]
         timeout = self._bound(op, deadline)
         out: list[bytes | None] = []
+        if self._link.tcp is not None:
+            with self._guard(op, timeout):
+                return self._link.tcp.exchange(payload, send_to, recv_from, time.monotonic() + timeout.total_seconds())
         with self._guard(op, timeout):
             header = torch.tensor([-1 if payload is None else len(payload)], dtype=torch.int64)
             body = None if not payload else torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -344,9 +307,14 @@ class SideGroup:
         """Point to point of CPU tensors whose sizes both sides know: post every send and receive (group ranks), wait
         for the receives, and return the sends' works, still in flight (wait them before reusing their tensors).
         One wait per receive, none per send: the fewest round trips for a thread that shares the interpreter."""
-        if not self._enter(op, step):
+        if not self._enter(op, step, p2p=True):
             return []
         timeout = self._bound(op, deadline)
+        links = self._link.tcp
+        if links is not None:  # sent when this returns: no work left in flight
+            with self._guard(op, timeout):
+                links.swap(sends, recvs, time.monotonic() + timeout.total_seconds())
+            return []
         with self._guard(op, timeout):
             sent = [dist.isend(t, self.global_rank(r), group=self._group) for r, t in sends]
             for work in [dist.irecv(t, self.global_rank(r), group=self._group) for r, t in recvs]:
@@ -354,8 +322,11 @@ class SideGroup:
         return sent
 
     # ------------------------------------------------------------------ internals
-    def _enter(self, op: str, step: int | None) -> bool:
-        """Run the fault hook; False when there is nobody to agree with (the caller returns the local answer)."""
+    def _enter(self, op: str, step: int | None, *, p2p: bool = False) -> bool:
+        """Run the fault hook; False when there is nobody to agree with (the caller returns the local answer).
+        ``p2p``: a point-to-point exchange, the only kind a tcp group carries."""
+        if self._link.tcp is not None and not p2p:
+            raise ValueError(f"side group {self.name!r}: a tcp group carries point-to-point exchanges only, not {op}")
         hook = _fault_hook
         if hook is not None:
             try:
@@ -369,7 +340,7 @@ class SideGroup:
                 op=op,
                 group=self.name,
             ) from self._broken
-        return self._group is not None
+        return self._group is not None or (p2p and self._link.tcp is not None)
 
     def _bound(self, op: str, deadline: Deadline | None) -> timedelta:
         timeout = self.timeout if deadline is None else deadline.bound(self.timeout)
@@ -391,9 +362,9 @@ class SideGroup:
             yield
         except CollectiveError:
             raise
-        except RuntimeError as err:  # gloo: "Operation timed out!", "Connection closed by peer", DistBackendError
+        except (RuntimeError, OSError) as err:  # gloo: "Operation timed out!", "Connection closed by peer"; tcp links
             text = str(err).lower()
-            timed_out = "timed out" in text or "timeout" in text
+            timed_out = isinstance(err, TimeoutError) or "timed out" in text or "timeout" in text
             what = (
                 f"no answer within {timeout.total_seconds():g}s"
                 if timed_out
@@ -412,16 +383,27 @@ class SideGroup:
 
 
 class _Link:
-    """The gloo group of a side group and its health, shared by its views."""
+    """The gloo group (or the tcp links) of a side group and its health, shared by its views."""
 
-    __slots__ = ("broken", "group")
+    __slots__ = ("broken", "group", "tcp")
 
     def __init__(self) -> None:
         self.group: Any = None
+        self.tcp: TcpLinks | None = None
         self.broken: CollectiveError | None = None
 
 
 _LAZY = "TORCH_GLOO_LAZY_INIT"
+_TRANSPORTS = {"gloo", "tcp"}
+_tcp_groups: dict[str, int] = {}
+
+
+def _new_links(name: str, rank: int) -> TcpLinks:
+    """This rank's links of a new tcp side group: its address in the default group's store, under a key of this
+    group (side groups are made in the same order on every rank, so the count is the same everywhere)."""
+    count = _tcp_groups[name] = _tcp_groups.get(name, -1) + 1
+    store = dist.distributed_c10d._get_default_store()
+    return TcpLinks(store, f"lightning_resilience/links/{name}/{count}", rank)
 
 
 def _new_lazy_group(ranks: list[int] | None, timeout: timedelta) -> Any:

@@ -7,7 +7,9 @@ interleave differently on different ranks). The suite has one group per thread t
   emergency save, an in-process rollback, SDC's checks at their cadence. Every component gets a *view* of it
   (:meth:`SideGroup.view`) with its own name and timeout.
 * ``step`` — the agreement thread (:class:`~lightning_resilience.step.agreement.TreeAgreement`): the one round of
-  every step and the straggler exchange at its cadence, along a tree of the ranks.
+  every step and the straggler exchange at its cadence, along a tree of the ranks. Its messages go over direct TCP
+  links (``transport="tcp"``, :mod:`lightning_resilience.links`), not gloo: a round costs a rank about 10 us of CPU
+  instead of about 250 us, and no gloo group is made for it.
 
 The checkpoint engine's persist thread has a third when a tier exchanges with peers (a peer tier's transfer group,
 made by that tier). Every group connects lazily: a rank opens a socket only to the peers it talks to (the ring
@@ -43,7 +45,8 @@ class Channels:
     ) -> None:
         longest = max([step_timeout, *timeouts])
         self._side = SideGroup("suite", longest, local=local)
-        self.agreement = TreeAgreement(SideGroup("step", step_timeout, local=local), fanout=fanout)
+        self._step = SideGroup("step", step_timeout, local=local, transport="tcp")
+        self.agreement = TreeAgreement(self._step, fanout=fanout)
 
     @property
     def rank(self) -> int:
@@ -58,5 +61,7 @@ class Channels:
         return self._side.view(name, min(timeout, self._side.timeout))
 
     def close(self) -> None:
-        """Stop the agreement thread (bounded); the gloo groups go with the default process group."""
+        """Stop the agreement thread (bounded, after its last answers are sent) and close its links; the gloo group
+        goes with the default process group."""
         self.agreement.close()
+        self._step.close()

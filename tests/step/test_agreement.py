@@ -42,8 +42,9 @@ def test_the_tree_is_shallow_and_each_rank_talks_to_few_peers() -> None:
     assert tree.depth == 7  # 4-ary: 1 + 4 + ... + 4**7 > 10,000 ranks
 
 
-def _scenario_rounds(rank: int, world: int, tmp: Path, fanout: int) -> dict[str, Any]:
-    tree = TreeAgreement(SideGroup("step", timedelta(seconds=30)), fanout=fanout)
+def _scenario_rounds(rank: int, world: int, tmp: Path, fanout: int, transport: str) -> dict[str, Any]:
+    group = SideGroup("step", timedelta(seconds=30), transport=transport)
+    tree = TreeAgreement(group, fanout=fanout)
     main = threading.get_ident()
     seen: list[int] = []
 
@@ -59,20 +60,24 @@ def _scenario_rounds(rank: int, world: int, tmp: Path, fanout: int) -> dict[str,
     finally:
         set_fault_hook(None)
         tree.close()
+    linked = group._link.tcp.peers if group._link.tcp is not None else None
+    group.close()
     return {
         "results": results,
         "gathered": [[r, b.decode()] for r, b in got],
         "on_training_thread": sum(t == main for t in seen),
         "peers": len(tree.children) + (tree.parent is not None),
+        "linked": linked,
+        "tree": sorted([*tree.children, *([] if tree.parent is None else [tree.parent])]),
         "fds": len(os.listdir("/proc/self/fd")),
     }
 
 
-@pytest.mark.parametrize("world,fanout", [(2, 4), (7, 2)])
+@pytest.mark.parametrize("world,fanout,transport", [(2, 4, "gloo"), (7, 2, "gloo"), (2, 4, "tcp"), (7, 2, "tcp")])
 def test_every_rank_gets_the_same_reduction_and_rank_0_the_gathered_payloads(
-    tmp_path: Path, world: int, fanout: int
+    tmp_path: Path, world: int, fanout: int, transport: str
 ) -> None:
-    results = run_ranks(_scenario_rounds, world, tmp_path, fanout)
+    results = run_ranks(_scenario_rounds, world, tmp_path, fanout, transport)
     for i in range(5):
         expected = _values(0, i)
         for r in range(1, world):
@@ -82,10 +87,12 @@ def test_every_rank_gets_the_same_reduction_and_rank_0_the_gathered_payloads(
     assert all(res["gathered"] == [] for res in results[1:])
     assert all(res["on_training_thread"] == 0 for res in results)  # every exchange ran on the agreement thread
     assert all(res["peers"] <= fanout + 1 for res in results)
+    if transport == "tcp":  # a link to each tree neighbour, to no other rank
+        assert all(res["linked"] == res["tree"] for res in results)
 
 
-def _scenario_missing_rank(rank: int, world: int, tmp: Path) -> dict[str, Any]:
-    tree = TreeAgreement(SideGroup("step", timedelta(seconds=2)))
+def _scenario_missing_rank(rank: int, world: int, tmp: Path, transport: str) -> dict[str, Any]:
+    tree = TreeAgreement(SideGroup("step", timedelta(seconds=2), transport=transport))
     if rank == 1:  # never takes part: hung, or on another path
         threading.Event().wait(4)
         return {"error": None}
@@ -104,8 +111,9 @@ def _scenario_missing_rank(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     return {"error": error}
 
 
-def test_a_rank_that_never_comes_is_a_typed_error_within_the_deadline(tmp_path: Path) -> None:
-    results = run_ranks(_scenario_missing_rank, 3, tmp_path, deadline_s=60)
+@pytest.mark.parametrize("transport", ["gloo", "tcp"])
+def test_a_rank_that_never_comes_is_a_typed_error_within_the_deadline(tmp_path: Path, transport: str) -> None:
+    results = run_ranks(_scenario_missing_rank, 3, tmp_path, transport, deadline_s=60)
     assert results[0]["error"] is not None and results[0]["error"].startswith("CollectiveTimeoutError")
     assert results[2]["error"] is not None and results[2]["error"].startswith("CollectiveTimeoutError")
 

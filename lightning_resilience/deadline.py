@@ -1,0 +1,73 @@
+"""What every cross-rank wait of the suite is bounded by and how it fails: a :class:`Deadline`, and one typed error
+(:class:`CollectiveError`, :class:`CollectiveTimeoutError`). The side groups (:mod:`lightning_resilience.collective`)
+raise them; callers import them from there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["CollectiveError", "CollectiveTimeoutError", "Deadline"]
+
+
+class CollectiveError(RuntimeError):
+    """An agreement across ranks failed: a peer is gone, crashed, or did not answer in time.
+
+    Every rank that took part gets one (a rank whose peers never came gets it at its deadline), so every rank can
+    take the same way out: the job stops and the launcher restarts it. The side group is unusable afterwards.
+
+    Attributes:
+        op: what was being agreed (``checkpoint.agree``, ``peer.exchange``...).
+        group: the side group's name.
+    """
+
+    def __init__(self, message: str, *, op: str = "", group: str = "") -> None:
+        super().__init__(message)
+        self.op, self.group = op, group
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), str(self), self.op, self.group))
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A peer did not arrive at an agreement within the deadline (hung, far behind, or on another path)."""
+
+
+def _rebuild(cls: type[CollectiveError], message: str, op: str, group: str) -> CollectiveError:
+    return cls(message, op=op, group=group)
+
+
+class Deadline:
+    """A point in time by which something must be done; ``remaining()`` shrinks, and is never negative.
+
+    Args:
+        budget: how long from now; None is unbounded (``remaining()`` is then None).
+        clock: monotonic seconds (injectable).
+    """
+
+    def __init__(self, budget: timedelta | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._end = None if budget is None else clock() + budget.total_seconds()
+
+    def remaining(self) -> timedelta | None:
+        if self._end is None:
+            return None
+        return timedelta(seconds=max(0.0, self._end - self._clock()))
+
+    @property
+    def expired(self) -> bool:
+        left = self.remaining()
+        return left is not None and left <= timedelta(0)
+
+    def bound(self, limit: timedelta) -> timedelta:
+        """The shorter of ``limit`` and what is left."""
+        left = self.remaining()
+        return limit if left is None else min(limit, left)
+
+    def check(self, what: str) -> None:
+        """Raise :class:`TimeoutError` (an ``OSError``: a failed write, not a crash) once the deadline passed."""
+        if self.expired:
+            raise TimeoutError(f"{what}: deadline passed before it could start")

@@ -1,0 +1,221 @@
+"""Direct TCP links between a rank and the few peers it talks to: the transport of the step agreement.
+
+A round of the step agreement is a few dozen bytes between a rank and its tree neighbours. Through gloo's
+point-to-point calls each round costs about a quarter of a millisecond of CPU per rank (tensor wrapping, the
+transport's work queue, a wait per message); over a socket of its own it costs about ten microseconds
+(``docs/design.md``, "What a round costs"). :class:`TcpLinks` is that socket layer, and nothing more: the side group
+(:class:`~lightning_resilience.collective.SideGroup` with ``transport="tcp"``) keeps the fault hook, the deadlines'
+bookkeeping and the typed errors.
+
+How peers find each other: every rank listens on a port of its own and publishes ``host:port`` in the job's store
+(the default process group's, under a key of this group), before any exchange. Connections are made on first use,
+the higher rank connecting to the lower, which accepts; the first bytes say who connects and to which group, so a
+stale address (a port of an earlier attempt, reused since) is refused. A rank opens one socket per peer it talks to:
+with the agreement's tree that is at most ``fanout + 1``, whatever the number of ranks.
+
+Errors: a peer that closed its end raises :class:`ConnectionError`; a wait past its bound raises
+:class:`TimeoutError`. The caller turns both into its typed errors.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+import zlib
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["HOST_ENV", "TcpLinks", "link_host"]
+
+HOST_ENV = "LIGHTNING_RESILIENCE_LINK_HOST"
+"""The address peers reach this rank's links at (default: this host's address on the route to ``MASTER_ADDR``)."""
+
+_HELLO = struct.Struct("<4sqI")
+_SIZE = struct.Struct("<q")
+_MAGIC = b"LRL1"
+_RETRY_S = 0.05
+
+
+def link_host() -> str:
+    """The address other ranks reach this one at: ``LIGHTNING_RESILIENCE_LINK_HOST``, else the local address of the
+    route to ``MASTER_ADDR`` (the interface the job's store is reached through), else the host name's address."""
+    if os.environ.get(HOST_ENV):
+        return os.environ[HOST_ENV]
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((master, 9))  # no packet is sent: this only picks the route
+                return str(probe.getsockname()[0])
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class TcpLinks:
+    """One rank's TCP links to its peers in one group; made when the group is made (every rank alike).
+
+    Args:
+        store: the job's key-value store (``set``/``get``/``wait``, as a torch.distributed store).
+        prefix: the group's keys in the store (unique per group, the same on every rank).
+        rank: this rank in the group.
+        host: the address to publish (default :func:`link_host`).
+    """
+
+    def __init__(self, store: Any, prefix: str, rank: int, *, host: str | None = None) -> None:
+        self.store, self.prefix, self.rank = store, prefix, rank
+        self._token = zlib.crc32(prefix.encode())
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("", 0))
+        self._listener.listen(64)
+        self._peers: dict[int, socket.socket] = {}
+        self.closed = False
+        store.set(self._key(rank), f"{host or link_host()}:{self._listener.getsockname()[1]}")
+
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}/{rank}"
+
+    @property
+    def peers(self) -> list[int]:
+        """The peers connected so far."""
+        return sorted(self._peers)
+
+    # ------------------------------------------------------------------ connections
+    def _peer(self, peer: int, end: float) -> socket.socket:
+        sock = self._peers.get(peer)
+        if sock is not None:
+            return sock
+        if self.closed:
+            raise ConnectionError(f"links {self.prefix!r}: closed")
+        if peer == self.rank:
+            raise ValueError(f"links {self.prefix!r}: rank {peer} cannot link to itself")
+        sock = self._connect(peer, end) if peer < self.rank else self._accept(peer, end)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._peers[peer] = sock
+        return sock
+
+    def _connect(self, peer: int, end: float) -> socket.socket:
+        """Connect to a lower rank's listener; an address that refuses (a stale one) is read again until ``end``."""
+        last: BaseException | None = None
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"links {self.prefix!r}: rank {peer} not reachable in time ({last})")
+            try:
+                self.store.wait([self._key(peer)], timedelta(seconds=max(left, 1e-3)))
+                host, port = self.store.get(self._key(peer)).decode().rsplit(":", 1)
+                sock = socket.create_connection((host, int(port)), timeout=max(left, 1e-3))
+                sock.sendall(_HELLO.pack(_MAGIC, self.rank, self._token))
+                return sock
+            except (ConnectionRefusedError, ConnectionResetError) as err:
+                last = err
+                time.sleep(min(_RETRY_S, max(0.0, end - time.monotonic())))
+            except RuntimeError as err:  # the store's wait: "Socket Timeout", "Wait timeout"
+                raise TimeoutError(
+                    f"links {self.prefix!r}: rank {peer}'s address did not come in time ({err})"
+                ) from err
+
+    def _accept(self, peer: int, end: float) -> socket.socket:
+        """Accept connections until ``peer``'s (others that come first are kept for their turn)."""
+        while peer not in self._peers:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"links {self.prefix!r}: rank {peer} did not connect in time")
+            self._listener.settimeout(left)
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError as err:
+                raise TimeoutError(f"links {self.prefix!r}: rank {peer} did not connect in time") from err
+            try:
+                magic, who, token = _HELLO.unpack(_recv_exact(sock, _HELLO.size, end, who=-1))
+            except (OSError, struct.error):
+                sock.close()
+                continue
+            if magic != _MAGIC or token != self._token or who <= self.rank or who in self._peers:
+                sock.close()  # not one of this group's peers (a stale address reached by another job's rank)
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._peers[who] = sock
+        return self._peers.pop(peer)
+
+    # ------------------------------------------------------------------ messages
+    def send(self, peer: int, data: bytes | memoryview, end: float) -> None:
+        """Send ``data`` to ``peer`` (delivered to its kernel buffers when this returns), by ``end`` (monotonic)."""
+        sock = self._peer(peer, end)
+        sock.settimeout(max(end - time.monotonic(), 1e-3))
+        try:
+            sock.sendall(data)
+        except TimeoutError as err:
+            raise TimeoutError(f"links {self.prefix!r}: sending to rank {peer} timed out") from err
+        except OSError as err:
+            raise ConnectionError(f"links {self.prefix!r}: rank {peer} is gone ({err})") from err
+
+    def recv_into(self, peer: int, buf: memoryview, end: float) -> None:
+        """Fill ``buf`` from ``peer`` by ``end`` (monotonic)."""
+        sock = self._peer(peer, end)
+        _recv_into(sock, buf, end, who=peer)
+
+    def recv(self, peer: int, n: int, end: float) -> bytes:
+        buf = bytearray(n)
+        if n:
+            self.recv_into(peer, memoryview(buf), end)
+        return bytes(buf)
+
+    def exchange(
+        self, payload: bytes | None, send_to: Sequence[int], recv_from: Sequence[int], end: float
+    ) -> list[bytes | None]:
+        """Send ``payload`` (None: "I have nothing") to each of ``send_to``, then receive one payload from each of
+        ``recv_from`` (in that order), by ``end``."""
+        message = _SIZE.pack(-1 if payload is None else len(payload)) + (payload or b"")
+        for dst in send_to:
+            self.send(dst, message, end)
+        out: list[bytes | None] = []
+        for src in recv_from:
+            (n,) = _SIZE.unpack(self.recv(src, _SIZE.size, end))
+            out.append(None if n < 0 else self.recv(src, n, end))
+        return out
+
+    def swap(self, sends: Sequence[tuple[int, Any]], recvs: Sequence[tuple[int, Any]], end: float) -> None:
+        """Send CPU tensors whose sizes both sides know, then fill the tensors of ``recvs`` (``(peer, tensor)``)."""
+        for peer, t in sends:
+            self.send(peer, memoryview(t.contiguous().numpy()).cast("B"), end)
+        for peer, t in recvs:
+            self.recv_into(peer, memoryview(t.numpy()).cast("B"), end)
+
+    def close(self) -> None:
+        """Close every link and the listener (what was sent is still delivered)."""
+        self.closed = True
+        for sock in [*self._peers.values(), self._listener]:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        self._peers = {}
+
+
+def _recv_into(sock: socket.socket, buf: memoryview, end: float, *, who: int) -> None:
+    got = 0
+    while got < len(buf):
+        sock.settimeout(max(end - time.monotonic(), 1e-3))
+        try:
+            n = sock.recv_into(buf[got:])
+        except TimeoutError as err:
+            raise TimeoutError(f"no message from rank {who}: timed out") from err
+        except OSError as err:
+            raise ConnectionError(f"rank {who} is gone ({err})") from err
+        if n == 0:
+            raise ConnectionError(f"rank {who} closed its link (connection closed by peer)")
+        got += n
+
+
+def _recv_exact(sock: socket.socket, n: int, end: float, *, who: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf), end, who=who)
+    return bytes(buf)

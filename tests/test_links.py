@@ -1,0 +1,127 @@
+"""Direct TCP links (the step agreement's transport): peers find each other through the store, a stale address is
+refused, every wait is bounded, a peer that goes is an error at once; a tcp side group carries exchanges only."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_resilience.collective import CollectiveError, SideGroup
+from lightning_resilience.links import HOST_ENV, TcpLinks, link_host
+from tests._ranks import run_ranks
+
+
+def _end(seconds: float = 10.0) -> float:
+    return time.monotonic() + seconds
+
+
+def test_two_ranks_exchange_payloads_and_tensors_over_one_link_each_way() -> None:
+    store = dist.HashStore()
+    low, high = TcpLinks(store, "g/0", 0, host="127.0.0.1"), TcpLinks(store, "g/0", 1, host="127.0.0.1")
+    got: dict[str, Any] = {}
+
+    def child() -> None:  # the higher rank connects
+        got["child"] = high.exchange(b"up", [0], [0], _end())
+        t = torch.tensor([5, 6], dtype=torch.int64)
+        back = torch.empty(2, dtype=torch.int64)
+        high.swap([(0, t)], [(0, back)], _end())
+        got["back"] = back.tolist()
+
+    thread = threading.Thread(target=child)
+    thread.start()
+    got["parent"] = low.exchange(None, [1], [1], _end())
+    part = torch.empty(2, dtype=torch.int64)
+    low.swap([], [(1, part)], _end())
+    low.swap([(1, part * 10)], [], _end())
+    thread.join(10)
+    assert got == {"parent": [b"up"], "child": [None], "back": [50, 60]}
+    assert low.peers == [1] and high.peers == [0]
+    low.close()
+    high.close()
+
+
+def test_a_stale_address_is_refused_and_the_right_peer_still_connects() -> None:
+    store = dist.HashStore()
+    parent = TcpLinks(store, "g/1", 0, host="127.0.0.1")
+    host, port = store.get("g/1/0").decode().rsplit(":", 1)
+    # a rank of another group (an earlier attempt's key, a reused port) reaches this listener first
+    stranger = socket.create_connection((host, int(port)))
+    stranger.sendall(b"LRL1" + (1).to_bytes(8, "little") + (12345).to_bytes(4, "little"))
+    child = TcpLinks(store, "g/1", 1, host="127.0.0.1")
+    sender = threading.Thread(target=lambda: child.exchange(b"hi", [0], [], _end()))
+    sender.start()
+    assert parent.exchange(None, [], [1], _end()) == [b"hi"]
+    sender.join(10)
+    assert stranger.recv(1) == b""  # closed by the listener
+    for links in (parent, child):
+        links.close()
+
+
+def test_a_peer_that_never_connects_is_a_timeout_and_one_that_closes_an_error() -> None:
+    store = dist.HashStore()
+    parent = TcpLinks(store, "g/2", 0, host="127.0.0.1")
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="rank 1 did not connect in time"):
+        parent.recv(1, 8, _end(0.3))
+    assert time.monotonic() - start < 5
+    child = TcpLinks(store, "g/2", 1, host="127.0.0.1")
+    child.send(0, b"12345678", _end())
+    assert parent.recv(1, 8, _end()) == b"12345678"
+    child.close()
+    with pytest.raises(ConnectionError, match="closed its link"):
+        parent.recv(1, 8, _end())
+    parent.close()
+
+
+def test_the_published_address_can_be_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(HOST_ENV, "10.1.2.3")
+    assert link_host() == "10.1.2.3"
+    monkeypatch.delenv(HOST_ENV)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert link_host() == "127.0.0.1"
+
+
+def test_bad_transports_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="transport must be one of"):
+        SideGroup("step", timedelta(seconds=1), transport="nccl")
+    with pytest.raises(ValueError, match="tcp side group spans every rank"):
+        SideGroup("step", timedelta(seconds=1), parent=object(), transport="tcp")
+
+
+def _scenario_tcp_group(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    group = SideGroup("step", timedelta(seconds=10), transport="tcp")
+    out: dict[str, Any] = {}
+    try:
+        group.all_true(True, op="x")
+    except ValueError as err:
+        out["collective"] = str(err)
+    peer = 1 - rank
+    out["swapped"] = group.exchange(f"r{rank}".encode(), send_to=[peer], recv_from=[peer], op="t.x", step=0)[0]
+    out["swapped"] = out["swapped"].decode()
+    if rank == 1:
+        group.close()  # gone: the other rank's next receive fails at once, typed
+        return out
+    start = time.monotonic()
+    try:
+        group.exchange(None, send_to=[], recv_from=[1], op="t.y", step=1)
+    except CollectiveError as err:
+        out["error"] = type(err).__name__
+        out["error_s"] = time.monotonic() - start
+    out["broken"] = group.broken
+    group.close()
+    return out
+
+
+def test_a_tcp_side_group_exchanges_and_a_peer_that_goes_breaks_it_at_once(tmp_path: Path) -> None:
+    r0, r1 = run_ranks(_scenario_tcp_group, 2, tmp_path, deadline_s=60)
+    assert "point-to-point exchanges only, not x" in r0["collective"]
+    assert (r0["swapped"], r1["swapped"]) == ("r1", "r0")
+    assert r0["error"] == "CollectiveError" and r0["error_s"] < 5 and r0["broken"]
