@@ -1,17 +1,17 @@
 """Direct TCP links between a rank and the few peers it talks to: the transport of the step agreement.
 
 A round of the step agreement is a few dozen bytes between a rank and its tree neighbours. Through gloo's
-point-to-point calls each round costs about a quarter of a millisecond of CPU per rank (tensor wrapping, the
-transport's work queue, a wait per message); over a socket of its own it costs about ten microseconds
-(``docs/design.md``, "What a round costs"). :class:`TcpLinks` is that socket layer, and nothing more: the side group
-(:class:`~lightning_resilience.collective.SideGroup` with ``transport="tcp"``) keeps the fault hook, the deadlines'
-bookkeeping and the typed errors.
+point-to-point calls a round costs each rank about 150 us of CPU (tensor wrapping, the transport's work queue, a
+wait per message) and wakes gloo's own thread while the step computes; over a socket of its own the exchange costs
+about 10 us (``docs/design.md``, "What a round costs"). :class:`TcpLinks` is that socket layer, and nothing more:
+the side group (:class:`~lightning_resilience.collective.SideGroup` with ``transport="tcp"``) keeps the fault hook,
+the deadlines' bookkeeping and the typed errors.
 
 How peers find each other: every rank listens on a port of its own and publishes ``host:port`` in the job's store
 (the default process group's, under a key of this group), before any exchange. Connections are made on first use,
-the higher rank connecting to the lower, which accepts; the first bytes say who connects and to which group, so a
-stale address (a port of an earlier attempt, reused since) is refused. A rank opens one socket per peer it talks to:
-with the agreement's tree that is at most ``fanout + 1``, whatever the number of ranks.
+the higher rank connecting to the lower, which accepts; the first bytes each way say who speaks and for which group,
+so a stale address (a port of an earlier attempt, reused since) is refused on both sides. A rank opens one socket
+per peer it talks to: with the agreement's tree that is at most ``fanout + 1``, whatever the number of ranks.
 
 Errors: a peer that closed its end raises :class:`ConnectionError`; a wait past its bound raises
 :class:`TimeoutError`. The caller turns both into its typed errors.
@@ -113,8 +113,12 @@ class TcpLinks:
                 host, port = self.store.get(self._key(peer)).decode().rsplit(":", 1)
                 sock = socket.create_connection((host, int(port)), timeout=max(left, 1e-3))
                 sock.sendall(_HELLO.pack(_MAGIC, self.rank, self._token))
-                return sock
-            except (ConnectionRefusedError, ConnectionResetError) as err:
+                if _HELLO.unpack(_recv_exact(sock, _HELLO.size, end, who=peer)) == (_MAGIC, peer, self._token):
+                    return sock
+                sock.close()  # something else listens there now (a stale address): read it again
+                last = ConnectionRefusedError(f"{host}:{port} is not rank {peer} of this group")
+                time.sleep(min(_RETRY_S, max(0.0, end - time.monotonic())))
+            except (ConnectionRefusedError, ConnectionResetError, ConnectionError) as err:
                 last = err
                 time.sleep(min(_RETRY_S, max(0.0, end - time.monotonic())))
             except RuntimeError as err:  # the store's wait: "Socket Timeout", "Wait timeout"
@@ -141,7 +145,11 @@ class TcpLinks:
             if magic != _MAGIC or token != self._token or who <= self.rank or who in self._peers:
                 sock.close()  # not one of this group's peers (a stale address reached by another job's rank)
                 continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                sock.sendall(_HELLO.pack(_MAGIC, self.rank, self._token))  # the connector checks whom it reached
+            except OSError:
+                sock.close()
+                continue
             self._peers[who] = sock
         return self._peers.pop(peer)
 

@@ -65,6 +65,27 @@ def test_a_stale_address_is_refused_and_the_right_peer_still_connects() -> None:
         links.close()
 
 
+def test_a_connector_that_reaches_another_listener_reads_the_address_again() -> None:
+    store = dist.HashStore()
+    impostor = socket.create_server(("127.0.0.1", 0))
+    impostor.settimeout(10)
+    store.set("g/3/0", f"127.0.0.1:{impostor.getsockname()[1]}")  # an earlier attempt's address, reused since
+    child = TcpLinks(store, "g/3", 1, host="127.0.0.1")
+    sent: list[bool] = []
+    sender = threading.Thread(target=lambda: sent.append(child.exchange(b"hi", [0], [], _end()) == []))
+    sender.start()
+    conn, _ = impostor.accept()
+    conn.sendall(b"LRL1" + (7).to_bytes(8, "little") + (0).to_bytes(4, "little"))  # not rank 0 of this group
+    parent = TcpLinks(store, "g/3", 0, host="127.0.0.1")  # the real rank 0 publishes its address
+    assert parent.exchange(None, [], [1], _end()) == [b"hi"]
+    sender.join(10)
+    assert sent == [True]
+    for s in (conn, impostor):
+        s.close()
+    for links in (parent, child):
+        links.close()
+
+
 def test_a_peer_that_never_connects_is_a_timeout_and_one_that_closes_an_error() -> None:
     store = dist.HashStore()
     parent = TcpLinks(store, "g/2", 0, host="127.0.0.1")
@@ -73,8 +94,10 @@ def test_a_peer_that_never_connects_is_a_timeout_and_one_that_closes_an_error() 
         parent.recv(1, 8, _end(0.3))
     assert time.monotonic() - start < 5
     child = TcpLinks(store, "g/2", 1, host="127.0.0.1")
-    child.send(0, b"12345678", _end())
+    sender = threading.Thread(target=lambda: child.send(0, b"12345678", _end()))  # connects: waits for the accept
+    sender.start()
     assert parent.recv(1, 8, _end()) == b"12345678"
+    sender.join(10)
     child.close()
     with pytest.raises(ConnectionError, match="closed its link"):
         parent.recv(1, 8, _end())
