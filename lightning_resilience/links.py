@@ -37,6 +37,7 @@ _HELLO = struct.Struct("<4sqI")
 _SIZE = struct.Struct("<q")
 _MAGIC = b"LRL1"
 _RETRY_S = 0.05
+_HELLO_S = 5.0
 
 
 def link_host() -> str:
@@ -112,13 +113,18 @@ class TcpLinks:
                 self.store.wait([self._key(peer)], timedelta(seconds=max(left, 1e-3)))
                 host, port = self.store.get(self._key(peer)).decode().rsplit(":", 1)
                 sock = socket.create_connection((host, int(port)), timeout=max(left, 1e-3))
-                sock.sendall(_HELLO.pack(_MAGIC, self.rank, self._token))
-                if _HELLO.unpack(_recv_exact(sock, _HELLO.size, end, who=peer)) == (_MAGIC, peer, self._token):
+                try:
+                    sock.sendall(_HELLO.pack(_MAGIC, self.rank, self._token))
+                    answer = _HELLO.unpack(_recv_exact(sock, _HELLO.size, end, who=peer))
+                except OSError:
+                    sock.close()
+                    raise
+                if answer == (_MAGIC, peer, self._token):
                     return sock
                 sock.close()  # something else listens there now (a stale address): read it again
                 last = ConnectionRefusedError(f"{host}:{port} is not rank {peer} of this group")
                 time.sleep(min(_RETRY_S, max(0.0, end - time.monotonic())))
-            except (ConnectionRefusedError, ConnectionResetError, ConnectionError) as err:
+            except ConnectionError as err:  # refused, reset or closed: a stale address, read it again
                 last = err
                 time.sleep(min(_RETRY_S, max(0.0, end - time.monotonic())))
             except RuntimeError as err:  # the store's wait: "Socket Timeout", "Wait timeout"
@@ -138,7 +144,8 @@ class TcpLinks:
             except TimeoutError as err:
                 raise TimeoutError(f"links {self.prefix!r}: rank {peer} did not connect in time") from err
             try:
-                magic, who, token = _HELLO.unpack(_recv_exact(sock, _HELLO.size, end, who=-1))
+                hello_end = min(end, time.monotonic() + _HELLO_S)  # a silent stranger holds the accept no longer
+                magic, who, token = _HELLO.unpack(_recv_exact(sock, _HELLO.size, hello_end, who=-1))
             except (OSError, struct.error):
                 sock.close()
                 continue
