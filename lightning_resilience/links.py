@@ -122,9 +122,8 @@ class TcpLinks:
                 if answer == (_MAGIC, peer, self._token):
                     return sock
                 sock.close()  # something else listens there now (a stale address): read it again
-                last = ConnectionRefusedError(f"{host}:{port} is not rank {peer} of this group")
-                time.sleep(min(_RETRY_S, max(0.0, end - time.monotonic())))
-            except ConnectionError as err:  # refused, reset or closed: a stale address, read it again
+                raise ConnectionRefusedError(f"{host}:{port} is not rank {peer} of this group")
+            except ConnectionError as err:  # refused, reset, closed or a stranger: a stale address, read it again
                 last = err
                 time.sleep(min(_RETRY_S, max(0.0, end - time.monotonic())))
             except RuntimeError as err:  # the store's wait: "Socket Timeout", "Wait timeout"
@@ -178,10 +177,8 @@ class TcpLinks:
         _recv_into(sock, buf, end, who=peer)
 
     def recv(self, peer: int, n: int, end: float) -> bytes:
-        buf = bytearray(n)
-        if n:
-            self.recv_into(peer, memoryview(buf), end)
-        return bytes(buf)
+        """``n`` bytes from ``peer`` by ``end`` (monotonic)."""
+        return _recv_exact(self._peer(peer, end), n, end, who=peer)
 
     def exchange(
         self, payload: bytes | None, send_to: Sequence[int], recv_from: Sequence[int], end: float
