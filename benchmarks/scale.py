@@ -369,8 +369,9 @@ def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
     lines = [f"{heading} {TITLE}", ""]
     lines.append(
         f"`{r['command']}` on {r['machine'].get('cpu_count')} CPU cores, {r['when']} ({load_line(r['machine'])}); "
-        "gloo ranks on loopback, a trivial model under Lightning DDP, the default preset against no suite in the "
-        "same processes. CPU only: with N processes on 2 cores, a hop between ranks is a context switch."
+        "ranks on loopback (DDP over gloo, the step agreement over the suite's TCP links), a trivial model under "
+        "Lightning DDP, the default preset against no suite in the same processes. CPU only: with N processes on 2 "
+        "cores, a hop between ranks is a context switch."
     )
     lines.append("")
     rows = [
@@ -477,7 +478,7 @@ def readme_summary(r: dict[str, Any]) -> str:
         else ""
     )
     return (
-        f"**scale** (gloo ranks on loopback, trivial model, default preset, CPU): the suite's own time per ordinary "
+        f"**scale** (ranks on loopback, trivial model, default preset, CPU): the suite's own time per ordinary "
         f"step is {first['suite_ms']['mean']:.2f} ms at {first['ranks']} ranks and {last['suite_ms']['mean']:.2f} ms "
         f"at {last['ranks']} (CPU time {first['suite_cpu_ms']['mean']:.2f} and {last['suite_cpu_ms']['mean']:.2f} "
         f"ms, its median's slope {r['slopes']['cpu_median']['per_rank'] * 1e3:.1f} us per rank); it adds "

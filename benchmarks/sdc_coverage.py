@@ -91,6 +91,10 @@ README_PENDING = (
     "pending, no result of the current benchmark yet (`python -m benchmarks.sdc_coverage` on a quiet machine)."
 )
 WORLD = 3
+OWN_CORES = 2
+"""Ranks of the second overhead launch: one per core of this machine, as a job runs one rank per device. With WORLD
+ranks on 2 cores each rank's agreement thread, woken twice a round, can cost its training thread the core for a
+scheduler slice (the driver's issue phase shows it), which no deployment with a core per rank pays."""
 PRESETS = {"default": "guards", "full": "dual_run"}
 """Preset name -> its file in configs/resilience/sdc/."""
 PATTERNS: dict[str, dict[str, int]] = {
@@ -227,7 +231,7 @@ class _Decisions:
         pass  # a logged spike: the replay it leads to is what the monitor records
 
 
-def _rank(rank: int, preset: str, scale: int | None, trials: list[dict[str, Any]], overhead_rounds: int) -> dict:
+def _rank(rank: int, preset: str, scale: int | None, trials: list[dict[str, Any]] | None, overhead_rounds: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_resilience.collective import SideGroup
@@ -369,10 +373,12 @@ def _rank(rank: int, preset: str, scale: int | None, trials: list[dict[str, Any]
                    for d in state["actor"].decisions]  # fmt: skip
         return {"final": final.tolist(), "events": events, "decisions": decided, "detected": detected, "named": named}
 
-    run(None)  # DDP rebuilds its buckets after the first iteration: the reference must use the final layout
-    reference = run(None)
+    reference = {"events": []}
+    if trials is not None:  # None: the overhead alone (the launch on one rank per core)
+        run(None)  # DDP rebuilds its buckets after the first iteration: the reference must use the final layout
+        reference = run(None)
     results = []
-    for trial in trials:
+    for trial in trials or []:
         r = run(trial)
         # a device that corrupts every step (or at a rate) changes the run by construction, and its trials run past
         # the clean reference's length: undetected is missed
@@ -386,6 +392,7 @@ def _rank(rank: int, preset: str, scale: int | None, trials: list[dict[str, Any]
         plain_step(i)
     times: dict[str, list[float]] = {"plain": [], "checked": []}
     stats0 = copy.copy(monitor.stats)  # what the checked windows spend, by part (wall time on this rank)
+    fired0 = dict(monitor.stats.guard_fired)
     phases0 = dict(state["driver"].stats.seconds)
     i = w
     for r in range(overhead_rounds):
@@ -404,10 +411,13 @@ def _rank(rank: int, preset: str, scale: int | None, trials: list[dict[str, Any]
         - sum(phases0.values()),
     }
     parts = {k: v * 1e3 / n for k, v in parts_ms.items()}
+    driver_ms = {k: (v - phases0.get(k, 0.0)) * 1e3 / n for k, v in state["driver"].stats.seconds.items()}
+    fired = {k: v - fired0.get(k, 0) for k, v in st.guard_fired.items() if v > fired0.get(k, 0)}
     rounds = {"replay": st.replay_rounds - stats0.replay_rounds, "reconcile": st.reconcile_rounds
-              - stats0.reconcile_rounds, "steps": len(times["checked"])}  # fmt: skip
+              - stats0.reconcile_rounds, "steps": len(times["checked"]), "guards_fired": fired}  # fmt: skip
     return {"results": results if rank == 0 else [], "times": times, "window": w, "events": reference["events"],
-            "parts_ms_per_step": parts, "rounds": rounds, "cpu_s": cpu_s}  # fmt: skip
+            "parts_ms_per_step": parts, "driver_phases_ms_per_step": driver_ms, "rounds": rounds,
+            "cpu_s": cpu_s}  # fmt: skip
 
 
 def _classify(trial: dict[str, Any], res: dict[str, Any]) -> str:
@@ -493,9 +503,9 @@ def measure(preset: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=args.tmpdir) as tmp:
         per_rank = run_ranks(_rank, WORLD, Path(tmp), preset, args.scale, trials, args.overhead_rounds,
                              timeout_s=14400.0)  # fmt: skip
+        print_flush(f"[sdc] {preset}: the overhead again on {OWN_CORES} ranks, one per core")
+        own = run_ranks(_rank, OWN_CORES, Path(tmp), preset, args.scale, None, args.overhead_rounds, timeout_s=3600.0)
     cells = _cells(trials, per_rank[0]["results"])
-    times = per_rank[0]["times"]
-    plain, checked = times["plain"], times["checked"]
     return {
         "preset": preset,
         "config": {
@@ -517,19 +527,31 @@ def measure(preset: str, args: argparse.Namespace) -> dict[str, Any]:
         "cells": cells,
         "kinds": _kinds(cells),
         "clean_run_events": per_rank[0]["events"],
-        "overhead": {
-            "plain_step_mean_s": statistics.fmean(plain),
-            "checked_step_mean_s": statistics.fmean(checked),
-            "slowdown_mean": statistics.fmean(checked) / statistics.fmean(plain) - 1.0,
-            "slowdown_median": statistics.median(checked) / statistics.median(plain) - 1.0,
-            "slowdown_p99": (percentile(checked, 99) or 0.0) / (percentile(plain, 99) or 1.0) - 1.0,
-            "steps_each": len(plain),
-            "parts_ms_per_step": per_rank[0]["parts_ms_per_step"],
-            "rounds": per_rank[0]["rounds"],
-            "samples_s": {"plain": plain, "checked": checked},
-        },
-        "ranks_cpu_s": sum(r["cpu_s"] for r in per_rank),
+        "overhead": _overhead(per_rank),
+        "overhead_own_cores": _overhead(own),
+        "ranks_cpu_s": sum(r["cpu_s"] for r in [*per_rank, *own]),
         "wall_s": pc() - t0,
+    }
+
+
+_OVERHEADS = (("overhead_own_cores", f"{OWN_CORES} ranks, one per core"), ("overhead", f"{WORLD} ranks on 2 cores"))
+
+
+def _overhead(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The monitored arm against the plain one (rank 0's interleaved windows), and where its time goes."""
+    plain, checked = per_rank[0]["times"]["plain"], per_rank[0]["times"]["checked"]
+    return {
+        "ranks": len(per_rank),
+        "plain_step_mean_s": statistics.fmean(plain),
+        "checked_step_mean_s": statistics.fmean(checked),
+        "slowdown_mean": statistics.fmean(checked) / statistics.fmean(plain) - 1.0,
+        "slowdown_median": statistics.median(checked) / statistics.median(plain) - 1.0,
+        "slowdown_p99": (percentile(checked, 99) or 0.0) / (percentile(plain, 99) or 1.0) - 1.0,
+        "steps_each": len(plain),
+        "parts_ms_per_step": per_rank[0]["parts_ms_per_step"],
+        "driver_phases_ms_per_step": [r["driver_phases_ms_per_step"] for r in per_rank],
+        "rounds": per_rank[0]["rounds"],
+        "samples_s": {"plain": plain, "checked": checked},
     }
 
 
@@ -592,7 +614,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
     ]
     for name, p in result["presets"].items():
-        c, o = p["config"], p["overhead"]
+        c = p["config"]
         kind_rows = [[k, v["trials"], v["caught"], v["flagged"], v["missed"], v["no_effect"],
                       _pct_ci(v["coverage"], v["coverage_ci95"]), fmt_pct(v["localization"]),
                       _latency(v), _by(v["caught_by"])] for k, v in p["kinds"].items()]  # fmt: skip
@@ -607,10 +629,13 @@ def render_markdown(result: dict[str, Any]) -> str:
             "",
             md_table(KIND_HEADER, kind_rows),
             "",
-            f"Step-time overhead against the true plain arm ({o['steps_each']} steps each, interleaved windows of "
-            f"{p['window_steps']}): mean {fmt_pct(o['slowdown_mean'])}, median {fmt_pct(o['slowdown_median'])}, "
-            f"p99 {fmt_pct(o['slowdown_p99'])}.{_parts(o)}",
-            "",
+            *(
+                f"Step-time overhead against the true plain arm, {where} ({p[key]['steps_each']} steps each, "
+                f"interleaved windows of {p['window_steps']}): mean {fmt_pct(p[key]['slowdown_mean'])}, median "
+                f"{fmt_pct(p[key]['slowdown_median'])}, p99 {fmt_pct(p[key]['slowdown_p99'])}.{_parts(p[key])}\n"
+                for key, where in _OVERHEADS
+                if key in p
+            ),
             f"A device that corrupts every step is met by a scheduled replay within {p.get('faulty_bound_steps')} "
             "steps (the stated bound: each faulty-device trial runs that long after its onset).",
             "",
@@ -647,10 +672,15 @@ def _parts(o: dict[str, Any]) -> str:
         return ""
     plain_ms = o["plain_step_mean_s"] * 1e3
     each = "; ".join(f"{k} {v:.3f} ({fmt_pct(v / plain_ms)})" for k, v in parts.items())
+    phases = o.get("driver_phases_ms_per_step") or []
+    issue = ", ".join(f"{r.get('begin', 0.0):.2f}" for r in phases)
+    fired = ", ".join(f"{k} {v}" for k, v in sorted((rounds.get("guards_fired") or {}).items())) or "none"
     return (
         f" Where the monitored arm's time goes (rank 0, ms per step, share of the plain step's {plain_ms:.1f} ms): "
         f"{each} ({rounds['replay']} replay and {rounds['reconcile']} reconciliation rounds in "
-        f"{rounds['steps']} steps)."
+        f"{rounds['steps']} steps; guards that fired on these clean steps: {fired}). The driver's issue phase "
+        f"(its contributors' values and the hand-off of the round to the agreement thread), ms per step by rank: "
+        f"{issue}."
     )
 
 
@@ -675,7 +705,12 @@ def readme_summary(result: dict[str, Any]) -> str:
     for name, p in result["presets"].items():
         kinds, o = p["kinds"], p["overhead"]
         got = ", ".join(f"{k.replace('_', ' ')} {fmt_pct(v['coverage'])}" for k, v in kinds.items())
-        parts.append(f"`resilience={name}` names the rank for {got} at {fmt_pct(o['slowdown_mean'])} mean step time")
+        own = p.get("overhead_own_cores")
+        cost = f"{fmt_pct(o['slowdown_mean'])} mean step time ({WORLD} ranks on 2 cores)"
+        if own:
+            cost = (f"{fmt_pct(own['slowdown_mean'])} mean step time with one rank per core ("
+                    f"{fmt_pct(o['slowdown_mean'])} with {WORLD} ranks on 2 cores)")  # fmt: skip
+        parts.append(f"`resilience={name}` names the rank for {got} at {cost}")
     return "**SDC** (faults by kind on 3 DDP ranks, at the presets' cadence): " + "; ".join(parts) + "."
 
 
@@ -696,7 +731,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     q = args.quick
     args.preset = args.preset or list(PRESETS)
-    args.trials = args.trials or (1 if q else 20)
+    args.trials = args.trials if args.trials is not None else (1 if q else 20)
     args.overhead_rounds = args.overhead_rounds or (2 if q else 8)
     args.stale_trials = args.stale_trials if args.stale_trials is not None else (2 if q else 20)
     args.scale = 5 if q else None
@@ -724,11 +759,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "faulty_device" in d and bound is not None and d["faulty_device"]["latency_steps_max"] is not None:
             targets.append(target("default preset: faulty device (every step) detected within the stated bound",
                                   d["faulty_device"]["latency_steps_max"], "<=", bound, unit="steps"))  # fmt: skip
-        slowdown = presets["default"]["overhead"]["slowdown_mean"]
-        targets.append(target("default preset: step-time overhead (mean)", slowdown, "<=", 0.02, unit="fraction"))
+        for key, where in _OVERHEADS:
+            slowdown = presets["default"][key]["slowdown_mean"]
+            targets.append(target(f"default preset: step-time overhead (mean), {where}", slowdown, "<=", 0.02,
+                                  unit="fraction"))  # fmt: skip
     if "full" in presets:
-        targets.append(target("full preset: step-time overhead (mean)", presets["full"]["overhead"]["slowdown_mean"],
-                              "<=", 0.05, unit="fraction"))  # fmt: skip
+        for key, where in _OVERHEADS:
+            targets.append(target(f"full preset: step-time overhead (mean), {where}",
+                                  presets["full"][key]["slowdown_mean"], "<=", 0.05, unit="fraction"))  # fmt: skip
     if stale is not None:
         targets.append(target("stale saves refused at the restore", stale["coverage"], ">=", 0.99, unit="fraction"))
     result: dict[str, Any] = {
@@ -757,6 +795,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "that rate: it is reported apart (flaky_device), without a goal.",
             "CPU timings of a small model: on a GPU the guards and digests are device work that the step does not "
             "wait for, and a replay costs the same fraction of a step as here.",
+            f"The overhead is measured twice, each against its own plain arm: on the {WORLD} ranks of the trials ("
+            f"{WORLD} processes and their agreement threads on 2 cores: a rank whose thread is woken can lose its core "
+            f"for a scheduler slice, which the driver's issue phase shows), and on {OWN_CORES} ranks, one per core, "
+            "as a job runs one rank per device. Both are held to the goal.",
         ],
         "wall_s": pc() - t0,
     }

@@ -9,7 +9,7 @@ side group).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -66,12 +66,12 @@ class ReplayRound:
         checked = self._checked(scheduled=not guard_fired and not self.m._restore_check)
         original, groups = self._originals()
         partner = world > 1 and cfg.partner_replay
-        inputs: list[Any] = [None] * world
-        if partner:  # the batches travel on the host (one read of this rank's batch, on a replay step only)
-            mine_in = (map_tensors(self.m._batch, lambda t: t.detach().cpu()), self.m._rng) if rank in checked else None
-            inputs = self.m._gather(mine_in)
+        mine_in = None
+        if partner and rank in checked:  # the batches travel on the host (one read of this rank's batch, on a replay)
+            mine_in = (map_tensors(self.m._batch, lambda t: t.detach().cpu()), self.m._rng)
+        # one gather carries both what a partner replays and each rank's own digests (None where it has none)
+        inputs, originals = (list(column) for column in zip(*self.m._gather((mine_in, original))))
         inputs[rank] = (self.m._batch, self.m._rng)
-        originals = self.m._gather(original)
         opinions: dict[int, list[Opinion]] = {b: [] for b in checked}
         raw: dict[int, list[torch.Tensor | None]] = {b: [] for b in checked}  # per-parameter digests
         for b, o in enumerate(originals):

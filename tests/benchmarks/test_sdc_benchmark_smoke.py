@@ -28,7 +28,7 @@ def test_wilson_interval() -> None:
 def test_sdc_benchmark_quick_run_reports_kinds_of_fault_apart(tmp_path: Path) -> None:
     """Every cell's outcomes add up, a persistent state flip is caught at the reconciliation, a faulty device is
     named after the rollback its non-finite values ask for, a stale save is refused, the overhead is measured
-    against the plain arm, and the section renders."""
+    against the plain arm on the trials' ranks and again on one rank per core, and the section renders."""
     out = tmp_path / "sdc.json"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [
@@ -46,8 +46,11 @@ def test_sdc_benchmark_quick_run_reports_kinds_of_fault_apart(tmp_path: Path) ->
         assert cell["caught"] + cell["flagged"] + cell["missed"] + cell["no_effect"] == cell["trials"] == 1
     assert set(preset["kinds"]) == {"persistent", "faulty_device"}
     assert preset["clean_run_events"] == []
-    overhead = preset["overhead"]
-    assert overhead["steps_each"] > 0 and len(overhead["samples_s"]["plain"]) == overhead["steps_each"]
+    for key, ranks in (("overhead", 3), ("overhead_own_cores", 2)):  # the trials' ranks, then one rank per core
+        overhead = preset[key]
+        assert overhead["ranks"] == ranks and len(overhead["driver_phases_ms_per_step"]) == ranks
+        assert overhead["steps_each"] > 0 and len(overhead["samples_s"]["plain"]) == overhead["steps_each"]
+        assert overhead["driver_phases_ms_per_step"][0]["begin"] > 0
     assert result["stale_saves"]["refused"] == result["stale_saves"]["trials"] == 2
     assert {t["verdict"] for t in result["targets"]} <= {"PASS", "MISS"}
     assert "Preset `default`" in proc.stdout and "kind of fault" in render_markdown(result)

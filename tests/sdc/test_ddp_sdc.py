@@ -127,16 +127,22 @@ ROTATE = dict(replay_every_n_steps=2, reconcile_every_n_steps=0, replay_scope="r
 def _rotating(rank: int, faulty_rank: int | None) -> dict[str, Any]:
     """Replay rounds of one batch by turns, no communication hook: a device that flips a low mantissa bit of every
     gradient it computes (no guard sees it) is met as the owner of the batch or as its partner."""
-    _, _, monitor = train(
-        STEPS, SDCConfig(**ROTATE), rank=rank, ddp=True, faulty_every_k=1 if rank == faulty_rank else 0,
-        faulty_bit_class="mantissa_low",
-    )  # fmt: skip
+    gathers = []
+    set_fault_hook(lambda op, _rank, _step: gathers.append(op) if op == "sdc.gather" else None)
+    try:
+        _, _, monitor = train(
+            STEPS, SDCConfig(**ROTATE), rank=rank, ddp=True, faulty_every_k=1 if rank == faulty_rank else 0,
+            faulty_bit_class="mantissa_low",
+        )  # fmt: skip
+    finally:
+        set_fault_hook(None)
     assert monitor is not None and monitor._hook is None
     return {
         "events": [e.to_json() for e in monitor.events],
         "dirty": monitor.dirty,
         "rounds": monitor.stats.replay_rounds,
         "replays": monitor.stats.replays,
+        "gathers": len(gathers),
     }
 
 
@@ -148,6 +154,8 @@ def test_rotating_replay_meets_a_faulty_device_by_turns(tmp_path: Path) -> None:
     assert _summary(clean) == [] and all(r["rounds"] == STEPS // 2 for r in clean)
     # one batch per round: its owner and its neighbour replay it (2 replays a round on 3 ranks, not 6)
     assert sum(r["replays"] for r in clean) == 2 * STEPS // 2
+    # a clean round gathers twice: the batch to replay with every rank's own digests, then the replays' digests
+    assert all(r["gathers"] == 1 + 2 * STEPS // 2 for r in clean), [r["gathers"] for r in clean]  # 1: setup
     results = run_ranks(_rotating, world, tmp_path / "faulty", world - 1)
     [first, *_] = _summary(results)
     assert (first[1], first[2], first[3]) == ("persistent", "rollback", [2]), first
