@@ -501,10 +501,13 @@ def measure(preset: str, args: argparse.Namespace) -> dict[str, Any]:
     print_flush(f"[sdc] {preset}: {len(trials)} trials of {2 * w} steps on {WORLD} ranks")
     t0 = pc()
     with tempfile.TemporaryDirectory(dir=args.tmpdir) as tmp:
-        per_rank = run_ranks(_rank, WORLD, Path(tmp), preset, args.scale, trials, args.overhead_rounds,
+        first, second = Path(tmp) / "trials", Path(tmp) / "own_cores"  # each launch reads only what it wrote
+        first.mkdir()
+        second.mkdir()
+        per_rank = run_ranks(_rank, WORLD, first, preset, args.scale, trials, args.overhead_rounds,
                              timeout_s=14400.0)  # fmt: skip
         print_flush(f"[sdc] {preset}: the overhead again on {OWN_CORES} ranks, one per core")
-        own = run_ranks(_rank, OWN_CORES, Path(tmp), preset, args.scale, None, args.overhead_rounds, timeout_s=3600.0)
+        own = run_ranks(_rank, OWN_CORES, second, preset, args.scale, None, args.overhead_rounds, timeout_s=3600.0)
     cells = _cells(trials, per_rank[0]["results"])
     return {
         "preset": preset,
