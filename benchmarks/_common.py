@@ -245,6 +245,15 @@ def summarize(samples: Iterable[float]) -> dict[str, Any]:
     }
 
 
+def slowdowns(samples: Sequence[float], base: Sequence[float]) -> dict[str, float]:
+    """Step-time slowdown of ``samples`` over ``base`` (seconds): of the means, the medians and the p99s."""
+    return {
+        "slowdown_mean": statistics.fmean(samples) / statistics.fmean(base) - 1.0,
+        "slowdown_median": statistics.median(samples) / statistics.median(base) - 1.0,
+        "slowdown_p99": (percentile(samples, 99) or 0.0) / (percentile(base, 99) or 1.0) - 1.0,
+    }
+
+
 _T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18,
          15: 2.13, 20: 2.09, 30: 2.04}  # fmt: skip
 """Student's t, two-sided 95%, by degrees of freedom (the next smaller tabulated one is used; 1.96 past 30)."""

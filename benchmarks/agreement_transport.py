@@ -119,9 +119,7 @@ def _arm(samples: list[float], blocks: list[float], base: list[float], base_bloc
         "mean_s": statistics.fmean(samples),
         "median_s": statistics.median(samples),
         "p99_s": bench.percentile(samples, 99),
-        "slowdown_mean": statistics.fmean(samples) / statistics.fmean(base) - 1.0,
-        "slowdown_median": statistics.median(samples) / statistics.median(base) - 1.0,
-        "slowdown_p99": (bench.percentile(samples, 99) or 0.0) / (bench.percentile(base, 99) or 1.0) - 1.0,
+        **bench.slowdowns(samples, base),
         "per_block_slowdown": per_block,
         "per_block_interval95": None if interval is None else list(interval[1:]),
     }

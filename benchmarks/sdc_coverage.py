@@ -75,8 +75,8 @@ from benchmarks._common import (
     machine_info,
     md_table,
     now_iso,
-    percentile,
     print_flush,
+    slowdowns,
     target,
     write_json,
 )
@@ -403,15 +403,14 @@ def _rank(rank: int, preset: str, scale: int | None, trials: list[dict[str, Any]
     agreement.close()
     cpu_s = time.process_time()  # this rank's CPU, all its threads: the benchmark's own load, not a neighbour's
     n, st = max(len(times["checked"]), 1), monitor.stats
+    driver_ms = {k: (v - phases0.get(k, 0.0)) * 1e3 / n for k, v in state["driver"].stats.seconds.items()}
     parts_ms = {
         "guards": st.guard_seconds - stats0.guard_seconds,
         "replay rounds": st.replay_seconds - stats0.replay_seconds,
         "reconciliation rounds": st.reconcile_seconds - stats0.reconcile_seconds,
-        "step driver (its agreement, on the training thread)": sum(state["driver"].stats.seconds.values())
-        - sum(phases0.values()),
     }
     parts = {k: v * 1e3 / n for k, v in parts_ms.items()}
-    driver_ms = {k: (v - phases0.get(k, 0.0)) * 1e3 / n for k, v in state["driver"].stats.seconds.items()}
+    parts["step driver (its agreement, on the training thread)"] = sum(driver_ms.values())
     fired = {k: v - fired0.get(k, 0) for k, v in st.guard_fired.items() if v > fired0.get(k, 0)}
     rounds = {"replay": st.replay_rounds - stats0.replay_rounds, "reconcile": st.reconcile_rounds
               - stats0.reconcile_rounds, "steps": len(times["checked"]), "guards_fired": fired}  # fmt: skip
@@ -547,9 +546,7 @@ def _overhead(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "ranks": len(per_rank),
         "plain_step_mean_s": statistics.fmean(plain),
         "checked_step_mean_s": statistics.fmean(checked),
-        "slowdown_mean": statistics.fmean(checked) / statistics.fmean(plain) - 1.0,
-        "slowdown_median": statistics.median(checked) / statistics.median(plain) - 1.0,
-        "slowdown_p99": (percentile(checked, 99) or 0.0) / (percentile(plain, 99) or 1.0) - 1.0,
+        **slowdowns(checked, plain),
         "steps_each": len(plain),
         "parts_ms_per_step": per_rank[0]["parts_ms_per_step"],
         "driver_phases_ms_per_step": [r["driver_phases_ms_per_step"] for r in per_rank],

@@ -5,7 +5,9 @@ and a faulty device is named persistent by three ranks and by nobody with two.""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -74,7 +76,9 @@ def test_diverged_replica_is_named_by_a_majority_of_three_and_by_nobody_of_two(
     assert all(r["dirty"] and r["rollback"] == 3 for r in results)  # newest step verified on every rank
 
 
-def _counted(rank: int, plan: list[FlipSpec]) -> dict[str, Any]:
+@contextlib.contextmanager
+def _ops_counted() -> Iterator[dict[str, int]]:
+    """Side-group operations entered on this rank while the block runs, by name (through the fault hook)."""
     ops: dict[str, int] = {}
 
     def count(op: str, _rank: int, _step: int | None) -> None:
@@ -82,10 +86,15 @@ def _counted(rank: int, plan: list[FlipSpec]) -> dict[str, Any]:
 
     set_fault_hook(count)
     try:
-        _, _, monitor = train(STEPS, SDCConfig(replay_every_n_steps=0, reconcile_every_n_steps=1), rank=rank,
-                              ddp=True, plan=plan)  # fmt: skip
+        yield ops
     finally:
         set_fault_hook(None)
+
+
+def _counted(rank: int, plan: list[FlipSpec]) -> dict[str, Any]:
+    with _ops_counted() as ops:
+        _, _, monitor = train(STEPS, SDCConfig(replay_every_n_steps=0, reconcile_every_n_steps=1), rank=rank,
+                              ddp=True, plan=plan)  # fmt: skip
     assert monitor is not None
     return {"ops": ops, "events": [e.to_json() for e in monitor.events], "rounds": monitor.stats.reconcile_rounds}
 
@@ -127,22 +136,18 @@ ROTATE = dict(replay_every_n_steps=2, reconcile_every_n_steps=0, replay_scope="r
 def _rotating(rank: int, faulty_rank: int | None) -> dict[str, Any]:
     """Replay rounds of one batch by turns, no communication hook: a device that flips a low mantissa bit of every
     gradient it computes (no guard sees it) is met as the owner of the batch or as its partner."""
-    gathers = []
-    set_fault_hook(lambda op, _rank, _step: gathers.append(op) if op == "sdc.gather" else None)
-    try:
+    with _ops_counted() as ops:
         _, _, monitor = train(
             STEPS, SDCConfig(**ROTATE), rank=rank, ddp=True, faulty_every_k=1 if rank == faulty_rank else 0,
             faulty_bit_class="mantissa_low",
         )  # fmt: skip
-    finally:
-        set_fault_hook(None)
     assert monitor is not None and monitor._hook is None
     return {
         "events": [e.to_json() for e in monitor.events],
         "dirty": monitor.dirty,
         "rounds": monitor.stats.replay_rounds,
         "replays": monitor.stats.replays,
-        "gathers": len(gathers),
+        "gathers": ops.get("sdc.gather", 0),
     }
 
 
