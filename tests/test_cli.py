@@ -21,7 +21,7 @@ from lightning_resilience.cli import main
 from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
 from lightning_resilience.report import assemble, save_json
 from lightning_resilience.testing.faults import FaultPlan
-from tests.lightning._training import assert_bitwise_equal, build, trainer, weights
+from tests.lightning._training import SettlePersists, assert_bitwise_equal, build, trainer, weights
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -211,14 +211,6 @@ class _Record(Callback):
             self.at_weights = weights(pl_module)
 
 
-class _Settle(Callback):
-    def __init__(self, tiered: TieredCheckpoint) -> None:
-        self.tiered = tiered
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        assert self.tiered.manager is not None and self.tiered.manager.wait()
-
-
 def test_export_resumes_a_plain_lightning_trainer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A step exported from a TieredCheckpoint run (a delta shard) resumes a stock Trainer at that step, with the
     weights the run had then; the safetensors export holds the model's state_dict."""
@@ -228,7 +220,7 @@ def test_export_resumes_a_plain_lightning_trainer(tmp_path: Path, capsys: pytest
     tiers = [MemoryTier(every_n_steps=1), DeltaLocalTier(ckpt, every_n_steps=4, keep=5, full_every=3)]
     tiered = TieredCheckpoint(tiers)
     # each persist finishes before the next step: on a loaded machine a busy worker would defer step 8's to step 9
-    trainer(10, [tiered, _Settle(tiered), record]).fit(model, datamodule=data)
+    trainer(10, [tiered, SettlePersists(1), record]).fit(model, datamodule=data)
     final = weights(model)
     rc, out, _ = _run(capsys, "ckpt", "ls", str(ckpt))
     assert rc == 0 and "delta of 4" in out  # steps 4 (full), 8 and 10 (deltas)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import Checkpoint
 
+from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
 from recipes._data import SyntheticTokenDataModule
 from recipes._gpt import TinyGPT
 
@@ -24,6 +26,31 @@ class CrashAt(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.global_step == self.step:
             raise RuntimeError(f"injected crash at step {self.step}")
+
+
+class SettlePersists(Callback):
+    """Lets this rank's in-flight persist finish before every ``every_n_steps``-th step (bounded by ``timeout``).
+
+    A persist that outlasts the steps until the next one makes the engine defer that one, on every rank, to a later
+    step: on a loaded machine the persisted steps would drift, and a test that wants them exactly every ``n`` steps
+    settles them. Whether a persist is due at a step's end is agreed from the views contributed at its start (the
+    suite's step path, kept last, issues the round): the wait goes before that, at the batch start.
+    """
+
+    def __init__(self, every_n_steps: int, timeout: timedelta = timedelta(seconds=30)) -> None:
+        self.every_n_steps = every_n_steps
+        self.timeout = timeout
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if (trainer.global_step + 1) % self.every_n_steps == 0:
+            drain_persists(trainer, self.timeout)
+
+
+def drain_persists(trainer: Trainer, timeout: timedelta = timedelta(seconds=30)) -> None:
+    """Waits (bounded) until this rank's in-flight persist, if any, has committed."""
+    for cb in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(cb, TieredCheckpoint):
+            assert cb.manager is not None and cb.manager.wait(timeout), f"persist did not finish within {timeout}"
 
 
 def build(seed: int = 7) -> tuple[TinyGPT, SyntheticTokenDataModule]:

@@ -17,7 +17,15 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_resilience import LocalTier, MemoryTier, ResilientDDPStrategy, Tier, TieredCheckpoint
-from tests.lightning._training import CrashAt, assert_bitwise_equal, build, trainer, weights
+from tests.lightning._training import (
+    CrashAt,
+    SettlePersists,
+    assert_bitwise_equal,
+    build,
+    drain_persists,
+    trainer,
+    weights,
+)
 
 STEPS = 20  # 6 batches per epoch and rank (48 samples, batch 4, 2 ranks): the run crosses 3 epoch boundaries
 CRASH_AT = 13
@@ -45,28 +53,6 @@ class ReportAtEnd(Callback):
         (self.out / f"report_rank{rank}.json").write_text(json.dumps(report))
 
 
-def _drain_persists(trainer: Trainer) -> None:
-    """Waits (bounded) until this rank's in-flight persist, if any, has committed."""
-    for cb in trainer.callbacks:
-        if isinstance(cb, TieredCheckpoint):
-            assert cb.manager is not None and cb.manager.wait(DRAIN_TIMEOUT), "persist did not finish in time"
-
-
-class SettlePersists(Callback):
-    """Lets each rank's in-flight persist finish at the end of the step before every persist step.
-
-    A persist that outlasts the steps until the next one makes the engine defer that one (on every rank, to a later
-    step), so on a loaded machine the persisted steps would drift; the test wants them exactly every ``n`` steps.
-    """
-
-    def __init__(self, every_n_steps: int) -> None:
-        self.every_n_steps = every_n_steps
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if (trainer.global_step + 1) % self.every_n_steps == 0:
-            _drain_persists(trainer)
-
-
 class DrainThenCrashAt(CrashAt):
     """Crashes at ``step`` on every rank once every rank's in-flight persist has committed.
 
@@ -76,7 +62,7 @@ class DrainThenCrashAt(CrashAt):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.global_step == self.step:
-            _drain_persists(trainer)
+            drain_persists(trainer, DRAIN_TIMEOUT)
             trainer.strategy.barrier("drain_then_crash")
         super().on_train_batch_start(trainer, pl_module, *args)
 
@@ -148,7 +134,11 @@ def test_ddp_resume_after_crash_is_bitwise_exact(
     model, data = build()
     with pytest.raises(Exception, match="injected crash"):  # re-raised in the parent from the spawned workers
         _ddp_trainer(
-            [TieredCheckpoint(_tiers(ckpt, every_n_steps)), SettlePersists(every_n_steps), DrainThenCrashAt(CRASH_AT)]
+            [
+                TieredCheckpoint(_tiers(ckpt, every_n_steps)),
+                SettlePersists(every_n_steps, DRAIN_TIMEOUT),
+                DrainThenCrashAt(CRASH_AT),
+            ]
         ).fit(model, datamodule=data)
     # every rank committed its shard of both persisted steps (the in-memory tier died with the workers)
     for step in (restored_step - every_n_steps, restored_step):

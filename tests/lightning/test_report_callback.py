@@ -23,7 +23,7 @@ from lightning_resilience.lightning.coordination import Suite
 from lightning_resilience.report import REPORT_NAME
 from lightning_resilience.sim.cli import simulate_main
 from lightning_resilience.sim.from_run import load_run_costs
-from tests.lightning._training import CrashAt, build, trainer
+from tests.lightning._training import CrashAt, SettlePersists, build, trainer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,7 +73,8 @@ def test_report_of_a_finished_run(tmp_path: Path, capsys: pytest.CaptureFixture[
     tiers = [MemoryTier(every_n_steps=1, keep=2), LocalTier(tmp_path / "ckpt", every_n_steps=4, keep=2)]
     report_cb = ResilienceReportCallback(run_dir, clock=_CountingClock())
     model, data = build()
-    callbacks = [_ft(run_dir), TieredCheckpoint(tiers), _Custom(), BrokenThing(), report_cb]
+    # the local tier's writes land before the next is due: on a loaded machine one would be deferred otherwise
+    callbacks = [_ft(run_dir), TieredCheckpoint(tiers), _Custom(), BrokenThing(), report_cb, SettlePersists(4)]
     trainer(12, callbacks).fit(model, datamodule=data)
 
     path = run_dir / REPORT_NAME

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 import pickle
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Callback
 
 from lightning_resilience import DecidedExit, ExitCode, LocalTier, MemoryTier, TieredCheckpoint
 from lightning_resilience.checkpoint.certify import TOMBSTONE
@@ -20,12 +18,12 @@ from lightning_resilience.checkpoint.layout import step_dirname
 from lightning_resilience.lightning.callbacks.policy import ResiliencePolicy
 from lightning_resilience.lightning.callbacks.sdc import VERDICT_FILE, SDCVerification
 from lightning_resilience.lightning.callbacks.sdc_inject import BitFlipInjection
-from lightning_resilience.lightning.coordination import RESTORE_BOUND_FILE, Suite
+from lightning_resilience.lightning.coordination import RESTORE_BOUND_FILE
 from lightning_resilience.policy import PolicyConfig
 from lightning_resilience.sdc.config import SDCConfig
 from lightning_resilience.sdc.inject import FlipSpec
 from lightning_resilience.sdc.verdict import Diagnosis
-from tests.lightning._training import assert_bitwise_equal, build, trainer, weights
+from tests.lightning._training import SettlePersists, assert_bitwise_equal, build, trainer, weights
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,7 +87,7 @@ def test_nonfinite_gradient_read_late_stops_with_verified_rollback(
     model, data = build()
     with pytest.raises(DecidedExit) as ended:
         policy = ResiliencePolicy(PolicyConfig(nonfinite="rollback"))
-        trainer(STEPS, [sdc, ckpt, inject, policy, _SettlePersists(3)]).fit(model, datamodule=data)
+        trainer(STEPS, [sdc, ckpt, inject, policy, SettlePersists(3)]).fit(model, datamodule=data)
     assert ended.value.code == ExitCode.SDC and sdc.stopped and sdc.rollback_step == 6
     nonfinite = [e for e in sdc.events if e.mechanism == "guard:nonfinite"]
     assert [(e.step, e.action) for e in nonfinite] == [(9, "rollback")]
@@ -121,7 +119,7 @@ def test_faulty_device_ends_with_sdc_code_and_the_restart_restores_the_verified_
     model, data = build()
     faulty = _FaultyFrom(7, BitFlipInjection(faulty_rank=0, faulty_every_k=1, faulty_target="blocks.0.mlp.fc.weight"))
     with pytest.raises(DecidedExit) as ended:
-        trainer(STEPS, [sdc, ckpt, faulty, _SettlePersists(1), policy]).fit(model, datamodule=data)
+        trainer(STEPS, [sdc, ckpt, faulty, SettlePersists(1), policy]).fit(model, datamodule=data)
     assert ended.value.code == ExitCode.SDC == 84
     assert sdc.rollback_step == 6 and sdc.stopped == (mapping == "rollback")
     event = next(e for e in sdc.events if e.verdict is not Diagnosis.CLEAN)
@@ -160,21 +158,6 @@ def test_callbacks_pickle_for_spawn() -> None:
     assert sdc.config.replay_every_n_steps == 5 and sdc.monitor is None
     inject = pickle.loads(pickle.dumps(BitFlipInjection([FlipSpec("param", step=1)])))
     assert inject.plan[0].location == "param"
-
-
-class _SettlePersists(Callback):
-    """Lets the in-flight persist finish before each persist step, so no persist is deferred to a later step on a
-    loaded machine (the test wants the local tier to hold exactly every third step). Whether a persist is due at a
-    step's end is agreed from the views contributed at its start: the wait goes before that."""
-
-    def __init__(self, every_n_steps: int) -> None:
-        self.every_n_steps = every_n_steps
-
-    def on_train_batch_start(self, trainer, pl_module, *args) -> None:  # type: ignore[no-untyped-def]
-        if (trainer.global_step + 1) % self.every_n_steps == 0:
-            checkpoint = Suite.of(trainer).checkpoint
-            assert checkpoint is not None and checkpoint.manager is not None
-            assert checkpoint.manager.wait(timedelta(seconds=30)), "persist too slow"
 
 
 class _FaultyFrom(BitFlipInjection):
