@@ -117,6 +117,30 @@ def slowdown(rec: dict[str, dict[str, list[float]]], name: str, base: str = "non
     }
 
 
+def within_turns(rec: dict[str, dict[str, list[float]]], name: str) -> dict[str, Any] | None:
+    """What checkpointing costs ``name``'s steps, measured inside its own turns: each turn's mean step over the mean
+    of its steps that neither a snapshot nor the background copy of the one before touched, less one; then over the
+    turns. A step that bills the engine is a snapshot's, unless the step before it was (then it is the step after a
+    snapshot, billed for the wait for its copy): the others are untouched. A contender's drift between its turns and
+    the baseline's cancels out, so this resolves far finer than :func:`slowdown`; it misses what a contender's
+    threads take from every step alike (a persist writing for seconds), which :func:`slowdown` holds. None when
+    no turn has enough untouched steps (a snapshot at every step)."""
+    turns: list[float] = []
+    at = 0
+    for n in _steps_per_turn(rec, name):
+        steps, billed = rec[name]["step_s"][at : at + n], rec[name]["blocking_s"][at : at + n]
+        at += n
+        snapshot = [False] * len(steps)
+        for i, b in enumerate(billed):
+            snapshot[i] = b > 0 and not (i > 0 and snapshot[i - 1])
+        clean = [s for i, s in enumerate(steps) if i > 0 and not snapshot[i] and not snapshot[i - 1]]
+        if len(clean) >= 4:
+            turns.append(sum(steps) / len(steps) / (sum(clean) / len(clean)) - 1.0)
+    if not turns:
+        return None
+    return {"mean": sum(turns) / len(turns), "per_turn": turns}
+
+
 def _steps_per_turn(rec: dict[str, dict[str, list[float]]], name: str) -> list[int]:
     turns = len(rec[name]["turn_s"])
     per = int(len(rec[name]["step_s"]) - sum(rec[name]["tail_steps"])) // turns if turns else 0

@@ -14,8 +14,11 @@ training thread: the detectors' work on every step (the straggler detector's ste
 they run) takes what it costs first, the persistent tiers that the budget decides share at most half of the rest, a
 tier with a fixed cadence takes what it costs, and the RAM tiers share what is left. A cost is what the training
 thread spends in the engine (snapshot copies, waits for a background copy before the optimizer step, persist
-agreements); what background threads take from its cores is not in it (the benchmarks measure that as step-time
-slowdown).
+agreements) and, for a snapshot, what it slows the step after it by: its background copy shares the training
+thread's cores and memory. That is measured as the run goes, the steps after a snapshot against the steps no call
+touched, once a RAM tier is spaced out (every k >= 2 steps: while every step has a snapshot there is no clean step
+to measure against, and the blocking alone decides). What a persist's background write takes from the steps is not
+counted (it runs every hundreds of steps; the benchmarks measure it as step-time slowdown).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ PERSIST_SHARE = 0.5
 """Part of the budget the persistent tiers it decides may take together."""
 RAM_FLOOR_SHARE = 0.05
 """Part of the budget the RAM tiers keep when fixed tiers take all of it (so that their cadence stays finite)."""
+_MIN_SAMPLES = 8  # clean steps and steps after a snapshot needed before the snapshot's effect on the next is counted
 _WINDOW = 64
 _OUTLIER = 3.0  # a cost sample above this many medians (a first allocation, a GC pause) is left out of the mean
 
@@ -72,6 +76,9 @@ class TierCosts:
     """Background seconds from the snapshot until the write is committed (persistent tiers)."""
     every_n_steps: int = BUDGET
     """The cadence set in the config, or :data:`BUDGET` (0): chosen here."""
+    background_s: float = 0.0
+    """Seconds a checkpoint of this tier slows the next step by, beyond its blocking (its background copy shares the
+    training thread's cores and memory)."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,7 @@ class Cadence:
     at a time)."""
     reason: str
     overhead: float
-    """Expected blocking per step as a fraction of the step time."""
+    """Expected cost per step (blocking, and a snapshot's effect on the next step) as a fraction of the step time."""
 
 
 def _steps_for(cost_s: float, share: float, step_s: float) -> int:
@@ -139,17 +146,17 @@ def plan_cadences(
     left = max(budget - taken, floor)
     for t in ram:
         share = left / len(ram)
-        k = _steps_for(t.blocking_s, share, step_s)
-        cost = t.blocking_s / step_s
+        k = _steps_for(t.blocking_s + t.background_s, share, step_s)
+        cost = (t.blocking_s + t.background_s) / step_s
+        what = f"a snapshot blocks {_ms(t.blocking_s)}"
+        if t.background_s > 0:
+            what += f" and slows the next step by {_ms(t.background_s)}"
         if k == 1:
-            reason = (
-                f"a snapshot blocks {_ms(t.blocking_s)}, {_pct(cost)} of a {_ms(step_s)} step: within its "
-                f"{_pct(share)} of the budget, every step"
-            )
+            reason = f"{what}, {_pct(cost)} of a {_ms(step_s)} step: within its {_pct(share)} of the budget, every step"
         else:
             reason = (
-                f"a snapshot blocks {_ms(t.blocking_s)}, {_pct(cost)} of a {_ms(step_s)} step: over its {_pct(share)} "
-                f"of the budget, so every {k} steps ({_pct(cost / k)})"
+                f"{what}, {_pct(cost)} of a {_ms(step_s)} step: over its {_pct(share)} of the budget, so every {k} "
+                f"steps ({_pct(cost / k)})"
             )
         if taken > 0:
             reason += f"; the other tiers take {_pct(taken)}"
@@ -273,6 +280,8 @@ class CadenceController:
         self._mtbf_s = mtbf_prior_s
         self._measured: dict[str, float] = {}
         self._steps: deque[float] = deque(maxlen=_WINDOW)
+        self._clean: deque[float] = deque(maxlen=_WINDOW)  # steps after a call that took nothing
+        self._after: deque[float] = deque(maxlen=_WINDOW)  # steps after a snapshot (no persist)
         self._snapshots: deque[float] = deque(maxlen=_WINDOW)
         self._persists: deque[float] = deque(maxlen=_WINDOW)
         self._last_begin: float | None = None
@@ -314,13 +323,18 @@ class CadenceController:
             return
         self._begun += 1
         now = self._clock()
-        blocked = 0.0
+        blocked, kind = 0.0, None
         if self._pending is not None:
             kind, blocked = self._pending
             (self._snapshots if kind == "snapshot" else self._persists).append(blocked)
             self._pending = None
         if self._last_begin is not None and now > self._last_begin:
-            self._steps.append(max(now - self._last_begin - blocked, 0.0))
+            period = max(now - self._last_begin - blocked, 0.0)
+            self._steps.append(period)
+            if kind is None:
+                self._clean.append(period)
+            elif kind == "snapshot":
+                self._after.append(period)
         self._last_begin = now
         if self._next_review is None:
             self._next_review = step + min(WARMUP_STEPS, self.review_steps)
@@ -343,6 +357,14 @@ class CadenceController:
         if self._pending is not None:
             self._pending = (self._pending[0], self._pending[1] + seconds)
 
+    def background_s(self) -> float:
+        """What a snapshot slows the step after it by, beyond its blocking: the median of the steps after a snapshot
+        less the median of the steps no call touched (0 until there are a few of each). Medians: one slow step (a
+        collection, a page fault) among the few after a snapshot must not space the snapshots out."""
+        if len(self._clean) < _MIN_SAMPLES or len(self._after) < _MIN_SAMPLES:
+            return 0.0
+        return max(statistics.median(self._after) - statistics.median(self._clean), 0.0)
+
     # ------------------------------------------------------------------ choosing
     def _review(self, step: int) -> None:
         snapshot = _robust_mean(self._snapshots)
@@ -355,6 +377,7 @@ class CadenceController:
             round(persist * 1e6) if persist is not None else -1,  # -1: no persist measured here
             round(self._mtbf_s) if self._agreement.rank == 0 else 0,  # rank 0 holds the run's failure history
             round(self._detector_step_s() * 1e6),
+            round(self.background_s() * 1e6),
             *(round((w or 0.0) * 1e6) for w in writes),
         ]
         agreed = self._agreement.max_each(local, step)
@@ -363,15 +386,20 @@ class CadenceController:
         step_s, snapshot_s = agreed[0] / 1e6, agreed[1] / 1e6
         persist_s = agreed[2] / 1e6 if agreed[2] >= 0 else None
         self._mtbf_s = float(agreed[3]) or self._mtbf_s
-        detectors_s = agreed[4] / 1e6
-        write = dict(zip(persistent, (w / 1e6 for w in agreed[5:])))
-        self._measured = {"step_s": step_s, "snapshot_s": snapshot_s, "detectors_s": detectors_s}
+        detectors_s, background_s = agreed[4] / 1e6, agreed[5] / 1e6
+        write = dict(zip(persistent, (w / 1e6 for w in agreed[6:])))
+        self._measured = {
+            "step_s": step_s, "snapshot_s": snapshot_s, "snapshot_background_s": background_s,
+            "detectors_s": detectors_s,
+        }  # fmt: skip
         if persist_s is not None:
             self._measured["persist_s"] = persist_s
         # a persist reads every byte of the snapshot again: never counted as cheaper than a snapshot
         persist_cost = max(persist_s or 0.0, snapshot_s)
         costs = [
-            TierCosts(name, p, persist_cost if p else snapshot_s, write.get(name, 0.0), every)
+            TierCosts(name, True, persist_cost, write_s=write.get(name, 0.0), every_n_steps=every)
+            if p
+            else TierCosts(name, False, snapshot_s, background_s=background_s, every_n_steps=every)
             for name, p, every in self._tiers
         ]
         detectors = detectors_s / step_s

@@ -60,11 +60,11 @@ class CheckpointConfig:
     snapshot_timeout_s: float = 60.0
     """Longest wait for a free host buffer (only reached with max_host_copies set too low)."""
     overhead_budget: float = 0.02
-    """What the suite may block the training step, as a fraction of the step time: a tier whose ``every_n_steps``
+    """What the suite may cost the training step, as a fraction of the step time: a tier whose ``every_n_steps``
     is 0 gets the cadence this allows, chosen from the costs measured on this run (RAM: every step when it fits, else
-    every k steps; persistent tiers: Daly's interval from their cost and the MTBF), after the detectors' measured
-    work on every step (straggler step ends, SDC guards) is taken from it. A tier with a cadence of its own keeps
-    it."""
+    every k steps, a snapshot costing its blocking and what it slows the step after it by; persistent tiers: Daly's
+    interval from their cost and the MTBF), after the detectors' measured work on every step (straggler step ends,
+    SDC guards) is taken from it. A tier with a cadence of its own keeps it."""
     mtbf_prior_s: float = 8 * 3600.0
     """The job's mean time between failures assumed until the run's own history (the fault-tolerance ledger) says
     more; it counts as one failure in this much training."""

@@ -35,6 +35,10 @@ def test_budget_benchmark_says_what_the_engine_chose_and_what_it_cost(tmp_path: 
     assert set(r["cadence"]["budget_disk"]["tiers"]) == {"memory", "local"}
     assert all(isinstance(v, float) for v in r["engine_cost"].values())
     assert len(r["targets"]) == 4 and "load" in r["machine"]
+    # the whole cost inside the turns needs steps no snapshot touched: none when every step has one
+    assert r["within_turns"]["every_step"] is None
+    budget = r["within_turns"]["budget"]  # a turn of 12 steps may hold too few untouched ones
+    assert budget is None or isinstance(budget["mean"], float)
     assert "tier `memory`: every" in stdout and "checkpoint cost budget" in readme_summary(r)
 
 
@@ -52,3 +56,21 @@ def test_cadence_ettr_benchmark_simulates_every_point_with_the_measured_costs(tm
         assert chosen["disk"]["set_by"] in ("daly", "write", "budget") and chosen["memory"]["set_by"] == "budget"
         assert all(0 <= v["ettr_mean"] <= 1 for v in p["variants"].values())
     assert "the budget chose" in stdout and readme_summary(r).startswith("**checkpoint cadence at scale**")
+
+
+def test_the_whole_cost_inside_a_turn_counts_the_snapshot_steps_and_the_steps_after_them() -> None:
+    """Two turns of 10 steps of 100 ms; a snapshot at the 3rd and 8th step blocks 20 ms and drags the next step by
+    30 ms: each turn costs 100 ms more than its ten untouched steps would, 10%."""
+    from benchmarks._checkpoint.scenarios import within_turns
+
+    steps, billed = [], []
+    for _ in range(2):
+        for i in range(10):
+            snap, after = i in (2, 7), i in (3, 8)
+            steps.append(0.1 + (0.02 if snap else 0.0) + (0.03 if after else 0.0))
+            billed.append(0.02 if snap else (0.001 if after else 0.0))  # a wait for the copy is billed too
+    rec = {"budget": {"step_s": steps, "blocking_s": billed, "turn_s": [sum(steps[:10])] * 2, "tail_steps": [0, 0]}}
+    got = within_turns(rec, "budget")
+    assert got is not None and got["per_turn"] == pytest.approx([0.1, 0.1]) and got["mean"] == pytest.approx(0.1)
+    rec["budget"]["blocking_s"] = [0.02] * 20  # a snapshot every step: nothing untouched to measure against
+    assert within_turns(rec, "budget") is None

@@ -7,6 +7,7 @@ state's bytes (a heavier state costs more); the last test uses real tensors and 
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -248,9 +249,10 @@ def test_a_tier_left_to_the_budget_is_valid_config_and_a_negative_one_is_not(tmp
 
 def test_a_real_heavy_state_is_spaced_out_by_the_engine(managers: list[CheckpointManager]) -> None:
     """Real tensors, the real clock: a 64 MiB state against a ~20 ms step of small matmuls, a snapshot of it costing
-    25-100% of the step. The engine measures it, moves to every k steps, and what it then blocks (the training
-    thread's own time in ``on_step``, against its time in the step) lands within the 5% budget (+-25%)."""
-    budget = 0.05
+    25-100% of the step. The engine measures it, moves to every k steps, and what it then costs (the training
+    thread's own time in ``on_step``, and what the steps after a snapshot take beyond the others: the copy leaves
+    the caches cold) lands within the 3% budget (+25%), and not far under it."""
+    budget = 0.03
     manager = CheckpointManager(
         [MemoryTier(every_n_steps=BUDGET, keep=2)], CheckpointConfig(overhead_budget=budget, cadence_review_steps=10)
     )
@@ -260,24 +262,28 @@ def test_a_real_heavy_state_is_spaced_out_by_the_engine(managers: list[Checkpoin
     a = torch.randn(384, 384)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    blocked = compute = 0.0
+    blocked, clean, after, taken = 0.0, [], [], False
     try:
-        for step in range(1, 181):
+        for step in range(1, 301):
             t0 = time.perf_counter()
             x = a
             for _ in range(12):
                 x = torch.tanh(x @ a)
             t1 = time.perf_counter()
             before = manager.stats.capture_seconds
-            manager.on_step(step, lambda: state)
-            if step > 40:
-                compute += t1 - t0
+            if step > 100:
+                (after if taken else clean).append(t1 - t0)
+            taken = manager.on_step(step, lambda: state)
+            if step > 100:
                 blocked += manager.stats.capture_seconds - before
     finally:
         torch.set_num_threads(threads)
     chosen = manager.cadence.report()["tiers"]["memory"]
-    assert chosen["every_n_steps"] > 1 and "over its 5.00% of the budget" in chosen["reason"], chosen
-    assert 0.75 * budget <= blocked / compute <= 1.25 * budget, (blocked / compute, chosen)
+    assert chosen["every_n_steps"] > 1 and "over its 3.00% of the budget" in chosen["reason"], chosen
+    step_s = statistics.fmean(clean)
+    cost = blocked + max(sum(after) - len(after) * step_s, 0.0)
+    # within the budget (+25%); not far under it (the noise of real steps spaces the snapshots out at times)
+    assert 0.5 * budget <= cost / (step_s * (len(clean) + len(after))) <= 1.25 * budget, (cost, step_s, chosen)
 
 
 def test_the_simulator_chooses_as_the_engine_does(managers: list[CheckpointManager]) -> None:
@@ -296,3 +302,51 @@ def test_the_simulator_chooses_as_the_engine_does(managers: list[CheckpointManag
     )
     (simulated,) = sim.cadences()
     assert (simulated.every_n_steps, simulated.set_by) == (engine.every_n_steps, engine.set_by) == (8, "budget")
+
+
+def test_what_a_snapshot_slows_the_next_step_by_is_counted(managers: list[CheckpointManager]) -> None:
+    """A snapshot blocks 4 ms of a 100 ms step and its background copy slows the step after it by 8 ms. By its
+    blocking alone every 2 steps would fit the 2% budget, but each snapshot costs the user 12 ms: the engine measures
+    the steps after a snapshot against the steps nothing touched, spaces snapshots to every 6 steps, and their whole
+    cost (blocking and slower steps) lands within the budget (+-25%)."""
+    clock = FakeClock()
+    manager = _manager(
+        managers, MemoryTier(every_n_steps=BUDGET, keep=2), clock=clock, overhead_budget=BUDGET_FRACTION,
+        cadence_review_steps=20,
+    )  # fmt: skip
+    state = _state(16)
+
+    def capture() -> dict[str, Any]:
+        clock.now += 0.004
+        return state
+
+    taken, cost, compute, spacings = False, 0.0, 0.0, []
+    for step in range(1, 401):
+        slow = 0.008 if taken else 0.0  # the background copy of the last snapshot drags this step
+        clock.now += STEP_S + slow
+        before = clock.now
+        taken = manager.on_step(step, capture)
+        spacings.append(manager.cadence.every("memory"))
+        if step > 200:
+            cost, compute = cost + slow + (clock.now - before), compute + STEP_S
+    report = manager.cadence.report()
+    chosen = report["tiers"]["memory"]
+    assert spacings[10] == 2  # the first choice: the blocking alone (every step had a snapshot, nothing to compare)
+    assert chosen["every_n_steps"] == 6 and chosen["set_by"] == "budget", chosen
+    assert report["measured"]["snapshot_background_s"] == pytest.approx(0.008, abs=1e-6)
+    assert "a snapshot blocks 4.0 ms and slows the next step by 8.0 ms, 12.00% of a 100.0 ms step" in chosen["reason"]
+    assert 0.75 * BUDGET_FRACTION <= cost / compute <= 1.25 * BUDGET_FRACTION, cost / compute
+
+
+def test_a_snapshot_that_slows_nothing_is_charged_its_blocking_alone(managers: list[CheckpointManager]) -> None:
+    """Steps after a snapshot as fast as the others: nothing is added to its blocking, and the reason says so."""
+    clock = FakeClock()
+    manager = _manager(
+        managers, MemoryTier(every_n_steps=BUDGET, keep=2), clock=clock, overhead_budget=BUDGET_FRACTION,
+        cadence_review_steps=20,
+    )  # fmt: skip
+    _train(manager, clock, _state(2**16), range(1, 201), 0.004 / (2**16 * 4))
+    report = manager.cadence.report()
+    assert report["measured"]["snapshot_background_s"] == 0.0
+    assert report["tiers"]["memory"]["every_n_steps"] == 2
+    assert "slows" not in report["tiers"]["memory"]["reason"]
