@@ -68,6 +68,8 @@ class Contender:
 
     def __init__(self) -> None:
         self.blocking = 0.0
+        self.snapshot = False
+        """Whether the last :meth:`after_step` took a snapshot (read and cleared by :meth:`take_snapshot`)."""
         self._hooks: list[Any] = []
 
     def begin(self) -> None:
@@ -89,6 +91,10 @@ class Contender:
     def take_blocking(self) -> float:
         blocked, self.blocking = self.blocking, 0.0
         return blocked
+
+    def take_snapshot(self) -> bool:
+        took, self.snapshot = self.snapshot, False
+        return took
 
     def close(self) -> dict[str, Any]:
         return {}
@@ -163,7 +169,7 @@ class Ours(Contender):
 
     def after_step(self, step: int, disk: bool = True) -> None:
         # the predicate is rebuilt every step, as TieredCheckpoint does
-        self.mgr.on_step(step, self.wl.state, overlap=optimizer_owned(self.wl))
+        self.snapshot = self.mgr.on_step(step, self.wl.state, overlap=optimizer_owned(self.wl))
         now = self._billed()
         self.blocking += now - self._mark
         self._mark = now

@@ -39,7 +39,7 @@ def run_rotation(
     into a step.
     """
     clock = StepClock(device)
-    keys = ("step_s", "blocking_s", "turn_s", "drain_s", "tail_steps")
+    keys = ("step_s", "blocking_s", "snapshot", "turn_s", "drain_s", "tail_steps")
     rec: dict[str, dict[str, list[float]]] = {c.name: {k: [] for k in keys} for c in contenders}
     steps = dict.fromkeys(rec, DISK_EVERY * 1000)
 
@@ -48,6 +48,7 @@ def run_rotation(
         c.begin()
         c.take_blocking()
         blocked: list[float] = []
+        took: list[float] = []  # 1.0 where the step took a snapshot
         clock.mark()
         start = pc()
 
@@ -58,6 +59,7 @@ def run_rotation(
             c.after_step(steps[c.name], disk)
             steps[c.name] += 1
             blocked.append(c.take_blocking())
+            took.append(float(c.take_snapshot()))
             clock.mark()
 
         for _ in range(n):
@@ -80,6 +82,7 @@ def run_rotation(
             r = rec[c.name]
             r["step_s"] += times
             r["blocking_s"] += blocked
+            r["snapshot"] += took
             r["turn_s"].append(trained)
             r["drain_s"].append(drain)
             r["tail_steps"].append(tail)
@@ -119,20 +122,16 @@ def slowdown(rec: dict[str, dict[str, list[float]]], name: str, base: str = "non
 
 def within_turns(rec: dict[str, dict[str, list[float]]], name: str) -> dict[str, Any] | None:
     """What checkpointing costs ``name``'s steps, measured inside its own turns: each turn's mean step over the mean
-    of its steps that neither a snapshot nor the background copy of the one before touched, less one; then over the
-    turns. A step that bills the engine is a snapshot's, unless the step before it was (then it is the step after a
-    snapshot, billed for the wait for its copy): the others are untouched. A contender's drift between its turns and
-    the baseline's cancels out, so this resolves far finer than :func:`slowdown`; it misses what a contender's
-    threads take from every step alike (a persist writing for seconds), which :func:`slowdown` holds. None when
-    no turn has enough untouched steps (a snapshot at every step)."""
+    of its steps that neither a snapshot nor the background copy of the one before touched (no snapshot at the step
+    nor at the one before it), less one; then over the turns. A contender's drift between its turns and the
+    baseline's cancels out, so this resolves far finer than :func:`slowdown`; it misses what a contender's threads
+    take from every step alike (a persist writing for seconds), which :func:`slowdown` holds. None when no turn has
+    enough untouched steps (a snapshot at every step)."""
     turns: list[float] = []
     at = 0
     for n in _steps_per_turn(rec, name):
-        steps, billed = rec[name]["step_s"][at : at + n], rec[name]["blocking_s"][at : at + n]
+        steps, snapshot = rec[name]["step_s"][at : at + n], rec[name]["snapshot"][at : at + n]
         at += n
-        snapshot = [False] * len(steps)
-        for i, b in enumerate(billed):
-            snapshot[i] = b > 0 and not (i > 0 and snapshot[i - 1])
         clean = [s for i, s in enumerate(steps) if i > 0 and not snapshot[i] and not snapshot[i - 1]]
         if len(clean) >= 4:
             turns.append(sum(steps) / len(steps) / (sum(clean) / len(clean)) - 1.0)

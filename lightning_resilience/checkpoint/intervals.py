@@ -1,6 +1,6 @@
 """Checkpoint intervals from a checkpoint's cost and the mean time between failures: Young's first-order optimum,
 Daly's higher-order one, and the MTBF estimate that lets a run's own failures outweigh the prior. The engine's
-cadences (:mod:`~lightning_resilience.checkpoint.cadence`) and the reliability simulator use the same functions."""
+cadences (:mod:`~lightning_resilience.checkpoint.cadence_plan`) and the reliability simulator use the same functions."""
 
 from __future__ import annotations
 

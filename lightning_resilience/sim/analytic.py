@@ -3,7 +3,7 @@
 Notation (seconds): ``delta`` the time a checkpoint costs the job, ``mttf`` the job's mean time between (exponential)
 failures, ``restart`` the time from a failure until work resumes. ``interval`` is the compute time between two
 checkpoints, checkpoint cost excluded. The two intervals live with the engine's cadence choice
-(:mod:`lightning_resilience.checkpoint.cadence`), which both the engine and the simulator use.
+(:mod:`lightning_resilience.checkpoint.cadence_plan`), which both the engine and the simulator use.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 from lightning_resilience._configurable import as_enum
-from lightning_resilience.checkpoint.cadence import BUDGET, Cadence, TierCosts, plan_cadences
-from lightning_resilience.checkpoint.tier import Durability
+from lightning_resilience.checkpoint.cadence_plan import Cadence, TierCosts, plan_cadences
+from lightning_resilience.checkpoint.tier import BUDGET, Durability
 from lightning_resilience.sim.step_cost import SuiteCostConfig
 
 __all__ = [
@@ -302,7 +302,7 @@ class SimConfig:
 
     def cadences(self) -> list[Cadence]:
         """Every tier's cadence in steps, in order: as set, or chosen as the checkpoint engine chooses it
-        (:func:`~lightning_resilience.checkpoint.cadence.plan_cadences`) from the tier's blocking and write costs,
+        (:func:`~lightning_resilience.checkpoint.cadence_plan.plan_cadences`) from the tier's blocking and write costs,
         the step time and the job's MTTF at this scale."""
         step_s = self.job.step_s
         costs = [

@@ -63,14 +63,14 @@ def test_the_whole_cost_inside_a_turn_counts_the_snapshot_steps_and_the_steps_af
     30 ms: each turn costs 100 ms more than its ten untouched steps would, 10%."""
     from benchmarks._checkpoint.scenarios import within_turns
 
-    steps, billed = [], []
+    steps, took = [], []
     for _ in range(2):
         for i in range(10):
             snap, after = i in (2, 7), i in (3, 8)
             steps.append(0.1 + (0.02 if snap else 0.0) + (0.03 if after else 0.0))
-            billed.append(0.02 if snap else (0.001 if after else 0.0))  # a wait for the copy is billed too
-    rec = {"budget": {"step_s": steps, "blocking_s": billed, "turn_s": [sum(steps[:10])] * 2, "tail_steps": [0, 0]}}
+            took.append(1.0 if snap else 0.0)
+    rec = {"budget": {"step_s": steps, "snapshot": took, "turn_s": [sum(steps[:10])] * 2, "tail_steps": [0, 0]}}
     got = within_turns(rec, "budget")
     assert got is not None and got["per_turn"] == pytest.approx([0.1, 0.1]) and got["mean"] == pytest.approx(0.1)
-    rec["budget"]["blocking_s"] = [0.02] * 20  # a snapshot every step: nothing untouched to measure against
+    rec["budget"]["snapshot"] = [1.0] * 20  # a snapshot every step: nothing untouched to measure against
     assert within_turns(rec, "budget") is None

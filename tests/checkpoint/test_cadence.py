@@ -15,17 +15,13 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_resilience.checkpoint.cadence import (
-    BUDGET,
-    TierCosts,
-    daly_interval,
-    estimate_mtbf,
-    plan_cadences,
-)
+from lightning_resilience.checkpoint.cadence_plan import TierCosts, plan_cadences
 from lightning_resilience.checkpoint.config import CheckpointConfig
+from lightning_resilience.checkpoint.intervals import daly_interval, estimate_mtbf
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.manager import CheckpointManager
 from lightning_resilience.checkpoint.memory import MemoryTier
+from lightning_resilience.checkpoint.tier import BUDGET
 
 STEP_S = 0.100
 BUDGET_FRACTION = 0.02
