@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -93,13 +94,20 @@ class Clock(Callback):
             self.fds = len(os.listdir("/proc/self/fd"))
 
 
+def _preemptions() -> int:
+    """Involuntary context switches of the calling thread so far (the scheduler took its core away)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+
+
 class Spent:
     """The suite's time on the training thread per step: wall-clock (what the step waits, including the time the
-    thread is descheduled) and the thread's CPU time (what the suite's code costs, whatever else runs)."""
+    thread is descheduled), the thread's CPU time (what the suite's code costs, whatever else runs) and how often the
+    scheduler took the thread's core away inside the suite's hooks (after each, the code runs on cold caches)."""
 
     def __init__(self, *, count: bool = False) -> None:
         self.wall: dict[int, float] = {}
         self.cpu: dict[int, float] = {}
+        self.preempted: dict[int, int] = {}
         self.calls: dict[int, int] = {}
         self.count = count
         """Count the Python and C calls the suite makes instead (a fit of its own: the profiler slows it)."""
@@ -115,17 +123,20 @@ class Spent:
                         calls[0] += 1
 
                 sys.setprofile(profile)  # this thread only: the agreement and persist threads are not counted
+            switched = _preemptions()  # outside the timed span: the reading costs a system call
             start, start_cpu = time.perf_counter(), time.thread_time()
             try:
                 return original(*args, **kwargs)
             finally:
                 wall, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+                switched = _preemptions() - switched
                 if self.count:
                     sys.setprofile(None)
                 if self.trainer is not None:
                     step = self.trainer.global_step
                     self.wall[step] = self.wall.get(step, 0.0) + wall
                     self.cpu[step] = self.cpu.get(step, 0.0) + cpu
+                    self.preempted[step] = self.preempted.get(step, 0) + switched
                     self.calls[step] = self.calls.get(step, 0) + calls[0]
 
         return timed
@@ -201,6 +212,7 @@ def fit_once(suite: bool, steps: int, world: int, run_dir: Path, *, count: bool 
         out["driver_s_by_step"] = {str(k): v for k, v in s.driver.stats.recent}
         out["suite_s_by_step"] = {str(k): v for k, v in sorted(spent.wall.items())}
         out["suite_cpu_s_by_step"] = {str(k): v for k, v in sorted(spent.cpu.items())}
+        out["suite_preempted_by_step"] = {str(k): v for k, v in sorted(spent.preempted.items())}
         out["suite_calls_by_step"] = {str(k): v for k, v in sorted(spent.calls.items())}
         stats = s.driver.agreement.stats
         out["agreement"] = {"rounds": stats.rounds, "late": stats.waits, "waited_s": stats.waited_seconds}

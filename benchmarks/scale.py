@@ -110,6 +110,7 @@ def summarize_n(n: int, ranks: list[dict[str, Any]], steps: int) -> dict[str, An
     """One N: the suite's own time per ordinary step, the step periods, descriptors, set-up, round latencies."""
     suite_ms: list[float] = []
     cpu_ms: list[float] = []
+    preempted: list[float] = []
     reference_ms: list[float] = []
     rank0_ms: list[float] = []
     periods: dict[bool, list[float]] = {False: [], True: []}
@@ -131,6 +132,7 @@ def summarize_n(n: int, ranks: list[dict[str, Any]], steps: int) -> dict[str, An
                 per_step = [1e3 * v for v in _ordinary(fit["suite_s_by_step"], steps)]
                 suite_ms += per_step
                 cpu_ms += [1e3 * v for v in _ordinary(fit["suite_cpu_s_by_step"], steps)]
+                preempted += _ordinary(fit.get("suite_preempted_by_step", {}), steps)
                 reference_ms += [1e3 * v for v in _ordinary(fit.get("reference_cpu_s_by_step", {}), steps)]
                 if res["rank"] == 0:
                     rank0_ms += per_step
@@ -153,6 +155,7 @@ def summarize_n(n: int, ranks: list[dict[str, Any]], steps: int) -> dict[str, An
             "p99": _pct(cpu_ms, 99),
         },
         "suite_calls": {"median": statistics.median(calls), "mean": statistics.fmean(calls), "max": max(calls)},
+        **({"suite_preempted": {"mean": statistics.fmean(preempted)}} if preempted else {}),
         **(_in_reference_units(cpu_ms, reference_ms) if reference_ms else {}),
         "rank0_suite_ms_mean": statistics.fmean(rank0_ms) if rank0_ms else None,
         "period_ms": {
@@ -382,6 +385,7 @@ def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
             f"{row['suite_cpu_ms']['mean']:.2f}",
             _reference_cell(row),
             f"{row['suite_calls']['mean']:.0f} / {row['suite_calls']['max']}" if "suite_calls" in row else "-",
+            f"{row['suite_preempted']['mean']:.1f}" if "suite_preempted" in row else "-",
             f"{row['period_ms']['without']['mean']:.1f}",
             f"{row['period_ms']['with']['mean']:.1f}",
             f"{100 * row['period_ms']['slowdown_mean']:+.0f}%",
@@ -401,6 +405,7 @@ def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
                 "suite CPU ms/step",
                 "reference CPU ms (suite CPU in its units), median",
                 "suite calls/step (mean / most)",
+                "suite preempted/step (mean)",
                 "step ms without",
                 "step ms with",
                 "slowdown",
@@ -433,7 +438,9 @@ def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
             else ""
         )
         + ". The wall time holds the time the training thread is descheduled while N processes share the cores "
-        "(N / 2 per core here) and any wait for a round that outlasts the step. "
+        "(N / 2 per core here) and any wait for a round that outlasts the step. The CPU time grows with N while the "
+        "calls do not: the same work runs slower after each time the scheduler takes the thread's core away inside "
+        "the suite's hooks (column *preempted*), on caches the other processes have filled. "
         f"Latency model: alpha {m['alpha_us_fitted']:.0f} us per hop fitted "
         f"here (a cluster's: {m['alpha_us_cluster']:.0f} us, assumed), beta {m['beta_ns_per_byte']:.2f} ns per byte at "
         f"rank 0, the suite's fixed cost {m['fixed_ms']:.2f} ms per step (measured above).",

@@ -33,5 +33,7 @@ def test_scale_benchmark_measures_the_suite_per_step_and_predicts_at_scale(tmp_p
     assert all(p["round_ms"] > 0 for p in r["model"]["predictions"])
     # the reference work was timed on the same thread: the suite's CPU time in its units
     assert row["reference_cpu_ms"]["median"] > 0 and row["suite_cpu_in_reference"]["median"] > 0
+    # how often the scheduler took the training thread's core inside the suite's hooks: counted, never negative
+    assert row["suite_preempted"]["mean"] >= 0 and "suite preempted/step" in render_markdown(r)
     assert len(r["targets"]) == 8 and "load" in r["machine"]
     assert "suite CPU ms/step" in render_markdown(r) and readme_summary(r).startswith("**scale**")
