@@ -126,7 +126,10 @@ def within_turns(rec: dict[str, dict[str, list[float]]], name: str) -> dict[str,
     nor at the one before it), less one; then over the turns. A contender's drift between its turns and the
     baseline's cancels out, so this resolves far finer than :func:`slowdown`; it misses what a contender's threads
     take from every step alike (a persist writing for seconds), which :func:`slowdown` holds. None when no turn has
-    enough untouched steps (a snapshot at every step)."""
+    enough untouched steps (a snapshot at every step), or when the contender never said it took one (only
+    :class:`~benchmarks._checkpoint.contenders.Ours` does: every step would count as untouched)."""
+    if not any(rec[name]["snapshot"]):
+        return None
     turns: list[float] = []
     at = 0
     for n in _steps_per_turn(rec, name):

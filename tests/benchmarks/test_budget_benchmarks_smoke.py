@@ -74,3 +74,5 @@ def test_the_whole_cost_inside_a_turn_counts_the_snapshot_steps_and_the_steps_af
     assert got is not None and got["per_turn"] == pytest.approx([0.1, 0.1]) and got["mean"] == pytest.approx(0.1)
     rec["budget"]["snapshot"] = [1.0] * 20  # a snapshot every step: nothing untouched to measure against
     assert within_turns(rec, "budget") is None
+    rec["budget"]["snapshot"] = [0.0] * 20  # a contender that never says where its snapshots are: no figure
+    assert within_turns(rec, "budget") is None
