@@ -18,6 +18,11 @@ A trial is ``kind:rank:factor:onset:steps[:strategy]`` (strategy ``ddp``, the de
 * ``clean``: nothing is slowed. ``plain``: clean, and without the detector (the overhead baseline). ``path``: clean,
   with the suite's step path but no detector (``ResiliencePolicy()`` alone: the step driver and its one agreement
   per step), which tells the detector's own share of the overhead from the step path's that every preset has.
+* ``toggle``: clean, with the detector on for ``onset`` steps, then off for as many (its hooks and its step end
+  skipped: the step path alone), and so on; ``rank`` 0 starts on, 1 starts off. Steps on and off are neighbours in
+  one process, so the machine's drift between launches cancels out of their difference (the detector's own share,
+  paired). Off, the wait probes' forward pre-hooks stay registered and return at once (a few microseconds a step
+  counted in both spans).
 
 The sleep is deterministic and relative to the measured step, so noise from other processes on the machine hits
 the slow and the fast ranks alike. Each rank writes ``DIR/rank<r>.json``: per trial the actual onset (the first
@@ -47,7 +52,7 @@ from lightning_resilience.lightning.callbacks.policy import ResiliencePolicy
 from lightning_resilience.lightning.callbacks.straggler import StragglerDetection
 from lightning_resilience.lightning.coordination import Suite
 
-KINDS = ("compute", "data", "job", "clean", "plain", "path")
+KINDS = ("compute", "data", "job", "clean", "plain", "path", "toggle")
 STRATEGIES = ("ddp", "fsdp")
 PERIOD_WINDOW = 20
 
@@ -168,11 +173,15 @@ class _TimedDetection(StragglerDetection):
     """The default callback, with the time spent inside its per-step hooks accumulated (``spent_s``)."""
 
     spent_s = 0.0
+    spent_cpu_s = 0.0
+    """The training thread's CPU inside the hooks: below ``spent_s`` by what it waited there (for the interpreter,
+    for a core)."""
 
     def _timed(self, hook: Any, *args: Any) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         hook(*args)
         self.spent_s += time.perf_counter() - t0
+        self.spent_cpu_s += time.thread_time() - c0
 
     def on_train_batch_start(self, *args: Any) -> None:
         self._timed(super().on_train_batch_start, *args)
@@ -188,6 +197,50 @@ class _TimedDetection(StragglerDetection):
 
     def on_train_batch_end(self, *args: Any) -> None:
         self._timed(super().on_train_batch_end, *args)
+
+
+class _ToggledDetection(_TimedDetection):
+    """The default callback, on for ``span`` steps and off for as many (``toggle`` trials): off, none of its hooks
+    nor its step end runs, so the step has the suite's step path alone; ``on`` records which steps had it."""
+
+    def __init__(self, span: int, start_on: bool) -> None:
+        super().__init__()
+        self.span, self.start_on = span, start_on
+        self.active = True
+        self.on: list[bool] = []
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        active = ((trainer.global_step // self.span) % 2 == 0) == self.start_on
+        if active and not self.active and self.detector is not None:
+            self.detector.timer.reset_data_wait()  # the steps off are not a wait for data
+        self.active = active
+        self.on.append(active)
+        if active:
+            super().on_train_batch_start(trainer, *args)
+
+    def on_before_backward(self, *args: Any) -> None:
+        if self.active:
+            super().on_before_backward(*args)
+
+    def on_after_backward(self, *args: Any) -> None:
+        if self.active:
+            super().on_after_backward(*args)
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        if self.active:
+            super().on_before_optimizer_step(*args)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self.active:
+            super().on_train_batch_end(*args)
+
+    def finish_step(self, step: int) -> None:
+        if self.active:
+            super().finish_step(step)
+
+    def after_step(self, step: int, decision: Any) -> None:
+        if self.active:
+            super().after_step(step, decision)
 
 
 def _driver_seconds(trainer: Trainer) -> float:
@@ -206,7 +259,11 @@ def run_trial(trial: Trial, args: argparse.Namespace, index: int) -> dict[str, A
     data = TensorDataset(torch.randn(n, args.width, generator=gen), torch.randn(n, 1, generator=gen))
     loader = DataLoader(data, batch_size=args.batch, shuffle=True, collate_fn=_Collate(injection))
     drill = _Drill(trial, injection)
-    detection = _TimedDetection() if trial.kind not in ("plain", "path") else None
+    detection: _TimedDetection | None = None
+    if trial.kind == "toggle":
+        detection = _ToggledDetection(trial.onset, start_on=trial.rank == 0)
+    elif trial.kind not in ("plain", "path"):
+        detection = _TimedDetection()
     callbacks: list[Callback] = [drill] + ([detection] if detection is not None else [])
     if trial.kind == "path":
         callbacks.append(ResiliencePolicy())
@@ -239,12 +296,15 @@ def run_trial(trial: Trial, args: argparse.Namespace, index: int) -> dict[str, A
     }
     if trial.kind == "path":
         out["driver_s_per_step"] = _driver_seconds(trainer) / max(1, trial.steps)
+    if isinstance(detection, _ToggledDetection):
+        out["on"] = detection.on  # per batch: whether the detector ran (the period after that batch's start)
     if detection is not None and detection.detector is not None:
         det = detection.detector
         out.update(
             {
                 "parallelism": detection.parallelism,
                 "detector_s_per_step": detection.spent_s / max(1, trial.steps),
+                "detector_cpu_s_per_step": detection.spent_cpu_s / max(1, trial.steps),
                 "exchange_s_per_step": det.gather_seconds / max(1, trial.steps),
                 "driver_s_per_step": _driver_seconds(trainer) / max(1, trial.steps),
                 "verdicts": [v.to_dict() for v in det.verdicts],

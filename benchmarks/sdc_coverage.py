@@ -74,6 +74,7 @@ from benchmarks._common import (
     fmt_pct,
     machine_info,
     md_table,
+    mean_interval,
     now_iso,
     print_flush,
     slowdowns,
@@ -231,7 +232,14 @@ class _Decisions:
         pass  # a logged spike: the replay it leads to is what the monitor records
 
 
-def _rank(rank: int, preset: str, scale: int | None, trials: list[dict[str, Any]] | None, overhead_rounds: int) -> dict:
+def _rank(
+    rank: int,
+    preset: str,
+    scale: int | None,
+    trials: list[dict[str, Any]] | None,
+    overhead_rounds: int,
+    overhead_window: int,
+) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_resilience.collective import SideGroup
@@ -385,7 +393,9 @@ def _rank(rank: int, preset: str, scale: int | None, trials: list[dict[str, Any]
         r["effect"] = trial["kind"] in DEVICE_KINDS or r["final"] != reference["final"]
         del r["final"]
         results.append(r)
-    # overhead: windows of w steps of each arm, A B B A, both warm; each arm goes on with its own state
+    # overhead: short windows of each arm taking turns, A B B A (neighbours pair up: the machine's drift, slower than
+    # two windows, cancels out of a pair), after w warm steps of each; each arm goes on with its own state
+    ow = overhead_window
     reset()
     for i in range(w):
         step(i)
@@ -397,9 +407,9 @@ def _rank(rank: int, preset: str, scale: int | None, trials: list[dict[str, Any]
     i = w
     for r in range(overhead_rounds):
         for kind in ("checked", "plain") if r % 2 == 0 else ("plain", "checked"):
-            for k in range(w):
+            for k in range(ow):
                 times[kind].append(step(i + k) if kind == "checked" else plain_step(i + k))
-        i += w
+        i += ow
     agreement.close()
     cpu_s = time.process_time()  # this rank's CPU, all its threads: the benchmark's own load, not a neighbour's
     n, st = max(len(times["checked"]), 1), monitor.stats
@@ -414,7 +424,7 @@ def _rank(rank: int, preset: str, scale: int | None, trials: list[dict[str, Any]
     fired = {k: v - fired0.get(k, 0) for k, v in st.guard_fired.items() if v > fired0.get(k, 0)}
     rounds = {"replay": st.replay_rounds - stats0.replay_rounds, "reconcile": st.reconcile_rounds
               - stats0.reconcile_rounds, "steps": len(times["checked"]), "guards_fired": fired}  # fmt: skip
-    return {"results": results if rank == 0 else [], "times": times, "window": w, "events": reference["events"],
+    return {"results": results if rank == 0 else [], "times": times, "window": ow, "events": reference["events"],
             "parts_ms_per_step": parts, "driver_phases_ms_per_step": driver_ms, "rounds": rounds,
             "cpu_s": cpu_s}  # fmt: skip
 
@@ -504,9 +514,10 @@ def measure(preset: str, args: argparse.Namespace) -> dict[str, Any]:
         first.mkdir()
         second.mkdir()
         per_rank = run_ranks(_rank, WORLD, first, preset, args.scale, trials, args.overhead_rounds,
-                             timeout_s=14400.0)  # fmt: skip
+                             args.overhead_window, timeout_s=14400.0)  # fmt: skip
         print_flush(f"[sdc] {preset}: the overhead again on {OWN_CORES} ranks, one per core")
-        own = run_ranks(_rank, OWN_CORES, second, preset, args.scale, None, args.overhead_rounds, timeout_s=3600.0)
+        own = run_ranks(_rank, OWN_CORES, second, preset, args.scale, None, args.overhead_rounds, args.overhead_window,
+                        timeout_s=3600.0)  # fmt: skip
     cells = _cells(trials, per_rank[0]["results"])
     return {
         "preset": preset,
@@ -539,15 +550,32 @@ def measure(preset: str, args: argparse.Namespace) -> dict[str, Any]:
 _OVERHEADS = (("overhead_own_cores", f"{OWN_CORES} ranks, one per core"), ("overhead", f"{WORLD} ranks on 2 cores"))
 
 
+def _pair_interval(o: dict[str, Any]) -> str:
+    """The 95% interval of the mean over neighbouring window pairs (how precisely the run pins the overhead)."""
+    lo_hi = o.get("per_pair_interval95")
+    if not lo_hi:
+        return ""
+    return (f" (per pair of neighbouring windows {fmt_pct(o['per_pair_mean'])}, 95% interval {fmt_pct(lo_hi[0])} "
+            f"to {fmt_pct(lo_hi[1])} over {len(o['per_pair'])} pairs)")  # fmt: skip
+
+
 def _overhead(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """The monitored arm against the plain one (rank 0's interleaved windows), and where its time goes."""
     plain, checked = per_rank[0]["times"]["plain"], per_rank[0]["times"]["checked"]
+    ow = per_rank[0]["window"]
+    pairs = [statistics.fmean(checked[i : i + ow]) / statistics.fmean(plain[i : i + ow]) - 1.0
+             for i in range(0, min(len(plain), len(checked)) - ow + 1, ow)]  # fmt: skip
+    interval = mean_interval(pairs)
     return {
         "ranks": len(per_rank),
         "plain_step_mean_s": statistics.fmean(plain),
         "checked_step_mean_s": statistics.fmean(checked),
         **slowdowns(checked, plain),
         "steps_each": len(plain),
+        "window_steps": ow,
+        "per_pair": pairs,
+        "per_pair_mean": interval[0] if interval else None,
+        "per_pair_interval95": list(interval[1:]) if interval else None,
         "parts_ms_per_step": per_rank[0]["parts_ms_per_step"],
         "driver_phases_ms_per_step": [r["driver_phases_ms_per_step"] for r in per_rank],
         "rounds": per_rank[0]["rounds"],
@@ -631,7 +659,8 @@ def render_markdown(result: dict[str, Any]) -> str:
             "",
             *(
                 f"Step-time overhead against the true plain arm, {where} ({p[key]['steps_each']} steps each, "
-                f"interleaved windows of {p['window_steps']}): mean {fmt_pct(p[key]['slowdown_mean'])}, median "
+                f"interleaved windows of {p[key].get('window_steps', p['window_steps'])}): mean "
+                f"{fmt_pct(p[key]['slowdown_mean'])}{_pair_interval(p[key])}, median "
                 f"{fmt_pct(p[key]['slowdown_median'])}, p99 {fmt_pct(p[key]['slowdown_p99'])}.{_parts(p[key])}\n"
                 for key, where in _OVERHEADS
                 if key in p
@@ -718,7 +747,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--preset", action="append", choices=list(PRESETS), default=None, help="preset(s) to measure")
     p.add_argument("--trials", type=int, default=None, help="trials per cell (20; quick: 1)")
-    p.add_argument("--overhead-rounds", type=int, default=None, help="window pairs for the overhead (8; quick: 2)")
+    p.add_argument("--overhead-rounds", type=int, default=None, help="window pairs for the overhead (160; quick: 4)")
+    p.add_argument("--overhead-window", type=int, default=None, help="steps per overhead window (10; quick: 5)")
     p.add_argument("--locations", nargs="+", choices=list(_LOCATION_KIND), default=list(_LOCATION_KIND),
                    help="where bits flip")  # fmt: skip
     p.add_argument("--faulty", nargs="*", choices=list(FAULTY), default=list(FAULTY), help="faulty-device kinds")
@@ -732,7 +762,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     q = args.quick
     args.preset = args.preset or list(PRESETS)
     args.trials = args.trials if args.trials is not None else (1 if q else 20)
-    args.overhead_rounds = args.overhead_rounds or (2 if q else 8)
+    args.overhead_rounds = args.overhead_rounds or (4 if q else 160)
+    args.overhead_window = args.overhead_window or (5 if q else 10)
     args.stale_trials = args.stale_trials if args.stale_trials is not None else (2 if q else 20)
     args.scale = 5 if q else None
     return args

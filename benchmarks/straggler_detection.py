@@ -100,7 +100,7 @@ pc = time.perf_counter
 
 
 # ------------------------------------------------------------------------------------------------ real ranks
-def _launch(trials: list[str], workload: str, args: argparse.Namespace, out: Path) -> list[list[dict[str, Any]]]:
+def launch_drills(trials: list[str], workload: str, args: argparse.Namespace, out: Path) -> list[list[dict[str, Any]]]:
     """One torchrun launch; per trial, every rank's result."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.world),
@@ -230,7 +230,7 @@ def real_ddp(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     t0 = pc()
     print_flush(f"[straggler] {workload}: {len(slow)} slow trials, {len(ab)} interleaved clean / path / plain trials")
     with tempfile.TemporaryDirectory() as tmp:
-        results = _launch([s for _, _, s in slow] + ab, workload, args, Path(tmp))
+        results = launch_drills([s for _, _, s in slow] + ab, workload, args, Path(tmp))
     slow_results, ab_results = results[: len(slow)], results[len(slow) :]
     groups: dict[str, Any] = {}
     for factor in REAL_FACTORS:

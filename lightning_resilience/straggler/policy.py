@@ -11,7 +11,7 @@ A level names an :class:`~lightning_resilience.policy.Action` of the suite's one
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lightning_resilience.policy import Action
@@ -140,7 +140,7 @@ class ActionLadder:
             return []
         elapsed = max(1, step - episode.last_step)  # with a gather cadence > 1 one sample stands for several steps
         episode.last_step = step
-        episode.verdict = StragglerFinding(**{**episode.verdict.to_dict(), "slowdown": float(slowdown)})
+        episode.verdict = replace(episode.verdict, slowdown=float(slowdown))
         out: list[Escalation] = []
         for i, level in enumerate(self.levels):
             episode.counts[i] = episode.counts[i] + elapsed if slowdown >= level.slowdown else 0
