@@ -40,10 +40,12 @@ state differs bitwise from the clean run), ``no_effect`` (nothing detected, stat
 caught / (trials - no effect) with its 95% Wilson interval; localization = caught / (caught + flagged); latency in
 optimizer steps from the faulty step to the first detection (mean, max).
 
-Overhead, in the same run: windows of W steps of the preset's monitored loop alternate (A B B A) with windows of a
+Overhead, in the same run: windows of 10 steps (``--overhead-window``) of the preset's monitored loop, 160 of them
+(``--overhead-rounds``), alternate (A B B A) with as many windows of a
 **true plain arm**: a second replica of the model with its own DDP wrapper that has no communication hook, no
 digests, no guards and no step driver. Each arm keeps its own state, so nothing a check leaves behind (a hook
-enabled, digests on) runs in a plain window. Slowdown = mean and p99 step time of the monitored arm over the plain.
+enabled, digests on) runs in a plain window. Slowdown = mean and p99 step time of the monitored arm over the plain,
+and the mean over neighbouring pairs of windows with its 95% interval (the drift between two windows cancels).
 """
 
 from __future__ import annotations
