@@ -215,24 +215,11 @@ class _ToggledDetection(_TimedDetection):
             self.detector.timer.reset_data_wait()  # the steps off are not a wait for data
         self.active = active
         self.on.append(active)
-        if active:
-            super().on_train_batch_start(trainer, *args)
+        super().on_train_batch_start(trainer, *args)
 
-    def on_before_backward(self, *args: Any) -> None:
+    def _timed(self, hook: Any, *args: Any) -> None:  # every per-step hook comes through here
         if self.active:
-            super().on_before_backward(*args)
-
-    def on_after_backward(self, *args: Any) -> None:
-        if self.active:
-            super().on_after_backward(*args)
-
-    def on_before_optimizer_step(self, *args: Any) -> None:
-        if self.active:
-            super().on_before_optimizer_step(*args)
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        if self.active:
-            super().on_train_batch_end(*args)
+            super()._timed(hook, *args)
 
     def finish_step(self, step: int) -> None:
         if self.active:
