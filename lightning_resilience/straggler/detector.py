@@ -23,11 +23,9 @@ import logging
 import math
 import os
 import socket
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -49,11 +47,13 @@ from lightning_resilience.straggler.exchange import (
     decode_payload,
     encode_payload,
     gloo_gather,
+    node_layout,
 )
 from lightning_resilience.straggler.kernels import KERNELS, NvrxKernelScores, open_kernel_scores
-from lightning_resilience.straggler.policy import ActionLadder, Escalation, StragglerFinding
+from lightning_resilience.straggler.policy import Escalation, StragglerFinding
 from lightning_resilience.straggler.probes import WaitProbe
 from lightning_resilience.straggler.scoreboard import Scoreboard
+from lightning_resilience.straggler.scoring import Scored, Scorer, open_scorer
 from lightning_resilience.straggler.timing import COMPUTE, DATA, STEP, WAIT, CudaEventSource, StepTimer
 
 __all__ = ["AUTO_SECTIONS", "StragglerDetector"]
@@ -117,8 +117,7 @@ class StragglerDetector:
         self._gather = gather
         self._tree = tree
         self._inflight: Pending | None = None
-        self._scorer: ThreadPoolExecutor | None = None  # rank 0 of a tree: scores off the training thread
-        self._scoring: deque[Future[list[Escalation]]] = deque()
+        self._scorer: Scorer | None = None  # rank 0 of a tree: scores off the training thread (config.scoring)
         if timer is None:
             use_cuda = c.cuda_events and torch.cuda.is_available()
             timer = StepTimer(CudaEventSource() if use_cuda else None, clock=clock)
@@ -175,10 +174,14 @@ class StragglerDetector:
         return self.probe.attach(model)
 
     def close(self) -> None:
-        """Finish the scoring in flight; release the scoring thread, the probes and the kernel profiler."""
-        self.drain()
+        """Finish the scoring in flight; release the scorer (its process or thread), the probes and the kernel
+        profiler."""
+        try:
+            self.drain()
+        except StragglerGatherError as err:  # the scoring process died: what it scored is lost, the fit goes on
+            log.warning("%s", err)
         if self._scorer is not None:
-            self._scorer.shutdown(wait=True)
+            self._scorer.close()
             self._scorer = None
         self.probe.detach()
         if self._kernels is not None:
@@ -248,21 +251,37 @@ class StragglerDetector:
 
     @property
     def scoring(self) -> bool:
-        """Rank 0 of a tree is scoring an exchange on its scoring thread: the scores, verdicts and ladder are being
-        updated, and the training thread reads them once it is done."""
-        return bool(self._scoring)
+        """Rank 0 of a tree is scoring an exchange (in its scoring process or thread): the scores, verdicts and
+        ladder are being updated, and the training thread reads them once it is done."""
+        return self._scorer is not None and self._scorer.pending > 0
 
     def drain(self, *, wait: bool = True) -> list[Escalation]:
-        """The decisions of the scoring done (``wait``: of all in flight, off the step path: a fit's end, a report)."""
+        """The decisions of the scoring done (``wait``: of all in flight, and the scorer's whole state with them, off
+        the step path: a fit's end, a report)."""
+        if self._scorer is None:
+            return []
         decisions: list[Escalation] = []
-        while self._scoring and (wait or self._scoring[0].done()):
-            decisions += self._scoring.popleft().result()
+        for scored in self._scorer.take(wait=wait):
+            decisions += self._apply(scored)
+        if wait:  # the report's state, from where it was scored
+            self.scoreboard, self.episodes, self.history, self.nodes, self.node_index = self._scorer.state()
         return decisions
+
+    def _score_bodies(self, step: int, bodies: list[bytes]) -> Scored:
+        """Where the scorer runs: decode and score one exchange; what the training process reads of it."""
+        decisions, board = self.consume(step, [decode_payload(b) for b in bodies]), self.scoreboard
+        scores = (board.relative, board.individual, board.job_last)
+        return Scored(decisions, self.episodes, self.gathers, self._last_gather_step, scores)
+
+    def _apply(self, scored: Scored) -> list[Escalation]:
+        self.episodes, self.gathers, self._last_gather_step = scored.episodes, scored.gathers, scored.last_gather_step
+        self.scoreboard.relative, self.scoreboard.individual, self.scoreboard.job_last = scored.scores
+        return list(scored.decisions)
 
     def _take(self, *, wait: bool) -> list[Escalation]:
         """Decisions of the scoring that finished, and the exchange in flight once it has arrived (or now, waiting,
-        before the next is issued). Rank 0 decodes and scores every rank's timings on its scoring thread: work that
-        grows with the number of ranks never runs on the training thread; the other ranks have nothing to do."""
+        before the next is issued). Rank 0's scorer (a process by default) decodes and scores every rank's timings:
+        work that grows with the number of ranks never runs on the training thread; the others have nothing to do."""
         decisions = self.drain(wait=False)
         pending = self._inflight
         if pending is None or not (wait or pending.done()):
@@ -279,11 +298,16 @@ class StragglerDetector:
             ) from err
         self.gather_seconds += time.perf_counter() - pending.issued
         if gathered:
-            if self._scorer is None:
-                self._scorer = ThreadPoolExecutor(1, thread_name_prefix="straggler-scoring")
-            step, bodies = int(pending.step or 0), [body for _, body in gathered]
-            self._scoring.append(self._scorer.submit(lambda: self.consume(step, [decode_payload(b) for b in bodies])))
+            self.start_scorer().submit(int(pending.step or 0), [body for _, body in gathered])
         return decisions
+
+    def start_scorer(self) -> Scorer:
+        """Rank 0 of a tree: start its scorer now (the callback does at setup, before the first step: forking a
+        scoring process takes tens of ms) rather than at the first exchange."""
+        if self._scorer is None:
+            state = lambda: (self.scoreboard, self.episodes, self.history, self.nodes, self.node_index)  # noqa: E731
+            self._scorer = open_scorer(self.config.scoring, self._score_bodies, state, self.config.gather_timeout_s)
+        return self._scorer
 
     # ------------------------------------------------------------------ exchange
     def prepare(self, step: int | None = None) -> Payload | None:
@@ -339,7 +363,7 @@ class StragglerDetector:
             raise StragglerGatherError(f"straggler: expected one payload per rank 0..{self.world_size - 1}")
         self.gathers += 1
         if self.gathers == 1:  # host names and ranks per node travel with every exchange; read once
-            self._update_nodes(by_rank)
+            self.nodes, self.node_index = node_layout(by_rank, self.world_size)
         samples = min(len(p["times"]) for p in by_rank)
         steps = list(by_rank[0].get("steps") or [])[:samples]
         decisions: list[Escalation] = []
@@ -371,31 +395,10 @@ class StragglerDetector:
             series_score = "relative" if name == KERNELS else score if rank >= 0 else "individual"
             decisions += self.episodes.update(
                 i, rank, name, step, previous, events, board.cusum, score=series_score, nodes=self.nodes,
-                node_index=self.node_index, evidence=self._waited_for,
+                node_index=self.node_index,
+                evidence=lambda r: presentation.waited_for(self.history, r, self.config.confirm_steps),
             )  # fmt: skip
         return decisions
-
-    def _waited_for(self, rank: int) -> str:
-        """Who waits for whom over the last confirmation window: the median collective wait per step of the other
-        ranks, and of ``rank`` ('' when waits are not measured)."""
-        recent = [waits for _, s in list(self.history)[-self.config.confirm_steps :] if (waits := s.get(WAIT))]
-        others = [w for row in recent for r, w in enumerate(row) if r != rank and math.isfinite(w)]
-        own = [row[rank] for row in recent if rank < len(row) and math.isfinite(row[rank])]
-        if not others or not own:
-            return ""
-        return (
-            f"the other ranks waited {statistics.median(others) * 1e3:.1f} ms per step in collectives, "
-            f"rank {rank} {statistics.median(own) * 1e3:.1f} ms"
-        )
-
-    def _update_nodes(self, payloads: Sequence[Payload]) -> None:
-        self.nodes = [str(p.get("host", "")) for p in payloads]
-        lws = [int(p.get("local_world_size") or 0) for p in payloads]
-        if all(lws) and len(set(lws)) == 1:
-            self.node_index = [rank // lws[0] for rank in range(self.world_size)]
-        else:
-            order: dict[str, int] = {}
-            self.node_index = [order.setdefault(host, len(order)) for host in self.nodes]
 
     # ------------------------------------------------------------------ reporting
     @property
@@ -411,10 +414,6 @@ class StragglerDetector:
     @property
     def decisions(self) -> list[Escalation]:
         return self.episodes.decisions
-
-    @property
-    def ladder(self) -> ActionLadder:
-        return self.episodes.ladder
 
     @property
     def should_stop(self) -> bool:

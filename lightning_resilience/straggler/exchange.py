@@ -22,6 +22,7 @@ __all__ = [
     "decode_payload",
     "encode_payload",
     "gloo_gather",
+    "node_layout",
 ]
 
 Payload = dict[str, Any]
@@ -63,3 +64,14 @@ def decode_payload(data: bytes) -> Payload:
     if not isinstance(payload, dict) or "rank" not in payload or not isinstance(payload.get("times"), list):
         raise StragglerGatherError("straggler: a malformed payload arrived in the exchange of timings")
     return payload
+
+
+def node_layout(payloads: Sequence[Payload], world_size: int) -> tuple[list[str], list[int]]:
+    """Every rank's host name and node index, from one exchange's payloads (in rank order): ranks per node where
+    every rank says the same ``local_world_size``, else by host name in order of appearance."""
+    nodes = [str(p.get("host", "")) for p in payloads]
+    lws = [int(p.get("local_world_size") or 0) for p in payloads]
+    if all(lws) and len(set(lws)) == 1:
+        return nodes, [rank // lws[0] for rank in range(world_size)]
+    order: dict[str, int] = {}
+    return nodes, [order.setdefault(host, len(order)) for host in nodes]

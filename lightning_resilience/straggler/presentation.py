@@ -6,12 +6,14 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lightning_resilience.straggler.timing import COMPUTE, DATA, STEP
+from lightning_resilience.straggler.timing import COMPUTE, DATA, STEP, WAIT
 
 if TYPE_CHECKING:
     from lightning_resilience.straggler.detector import StragglerDetector
@@ -148,3 +150,17 @@ def _fmt_s(value: float) -> str:
 
 def _fmt_x(value: float) -> str:
     return "n/a" if not np.isfinite(value) else f"{value:.2f}x"
+
+
+def waited_for(history: Iterable[tuple[int, dict[str, list[float]]]], rank: int, last: int) -> str:
+    """Who waits for whom over the ``last`` gathered steps of ``history``: the median collective wait per step of
+    the other ranks, and of ``rank`` ('' when waits are not measured)."""
+    recent = [waits for _, s in list(history)[-last:] if (waits := s.get(WAIT))]
+    others = [w for row in recent for r, w in enumerate(row) if r != rank and math.isfinite(w)]
+    own = [row[rank] for row in recent if rank < len(row) and math.isfinite(row[rank])]
+    if not others or not own:
+        return ""
+    return (
+        f"the other ranks waited {statistics.median(others) * 1e3:.1f} ms per step in collectives, "
+        f"rank {rank} {statistics.median(own) * 1e3:.1f} ms"
+    )

@@ -157,6 +157,8 @@ class StragglerDetection(Callback):
         self._trainer = trainer
         # the strategy has wrapped the model by now (DDP, FSDP): probe its collective waits
         self.parallelism = self.detector.attach(trainer.strategy.model or pl_module)
+        if channels.world_size > 1 and self.detector.rank == 0:
+            self.detector.start_scorer()  # rank 0 scores the exchanges: its scorer starts before the first step
         auto = self.config.sections is None
         if auto and trainer.world_size > 1 and self.parallelism == "none" and trainer.is_global_zero:
             log.warning(

@@ -1,0 +1,252 @@
+"""Where rank 0 of the tree exchange scores every rank's timings: in a process of its own (the default), or on a
+thread of the training process.
+
+Scoring is Python and many small NumPy calls; on a thread it holds the training process's interpreter lock for as
+long as it runs. Whenever the training thread wants the lock meanwhile (between two operators, on its way to the next
+batch) it waits, up to the interpreter's switch interval (5 ms), so the scoring lands on the training step anyway:
+measured on 2 CPU ranks, 3 ms per exchange of 10 steps, about 0.3 ms a step of a 70 ms step. A process has its
+own interpreter: the training process only sends the exchanged bytes and reads back the decisions.
+
+Both places take the same calls (:class:`Scorer`): ``submit`` an exchange, ``take`` the finished ones in order (never
+waiting unless asked), ``state`` for the report, ``close``. The process is forked from the training process when the
+first exchange arrives, so it starts with the detector as it is then and never imports anything; it dies with its
+parent (``PR_SET_PDEATHSIG`` on Linux, and the closed pipe everywhere), ignores the signals the training process
+handles, and every wait on it has a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import traceback
+import warnings
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from lightning_resilience.straggler.exchange import StragglerGatherError
+
+__all__ = ["Scored", "Scorer", "ScoringProcess", "ScoringThread", "open_scorer"]
+
+log = logging.getLogger(__name__)
+
+ScoreFn = Callable[[int, list[bytes]], "Scored"]
+"""Score one exchange: the step it was issued at and every rank's encoded payload."""
+StateFn = Callable[[], Any]
+"""The scorer's whole state, for the report and the plot (read where the scoring ran)."""
+
+
+@dataclass
+class Scored:
+    """What the training process needs after each exchange: the decisions and the state they read."""
+
+    decisions: list[Any]
+    episodes: Any
+    """The verdicts, the ladders and the decisions so far (an :class:`~.episodes.Episodes`)."""
+    gathers: int
+    last_gather_step: int | None
+    scores: tuple[np.ndarray, np.ndarray, float]
+    """The scoreboard's latest relative and individual slowdowns (section x rank) and job slowdown."""
+
+
+class Scorer(Protocol):
+    """Scores exchanges somewhere other than the training thread."""
+
+    @property
+    def pending(self) -> int:
+        """Exchanges submitted and not yet taken."""
+
+    def submit(self, step: int, bodies: list[bytes]) -> None: ...
+
+    def take(self, *, wait: bool) -> list[Scored]:
+        """The scored exchanges, oldest first: those finished (``wait``: all of them, within the deadline)."""
+
+    def state(self) -> Any:
+        """The scorer's whole state (after :meth:`take` with ``wait``)."""
+
+    def close(self) -> None: ...
+
+
+class ScoringThread:
+    """Scores on one thread of the training process (``straggler.scoring: thread``)."""
+
+    def __init__(self, score: ScoreFn, state: StateFn, timeout_s: float) -> None:
+        self._score, self._state, self._timeout_s = score, state, timeout_s
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="straggler-scoring")
+        self._futures: deque[Future[Scored]] = deque()
+
+    @property
+    def pending(self) -> int:
+        return len(self._futures)
+
+    def submit(self, step: int, bodies: list[bytes]) -> None:
+        self._futures.append(self._pool.submit(self._score, step, bodies))
+
+    def take(self, *, wait: bool) -> list[Scored]:
+        out = []
+        while self._futures and (wait or self._futures[0].done()):
+            out.append(self._futures.popleft().result(timeout=self._timeout_s))
+        return out
+
+    def state(self) -> Any:
+        return self._state()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class ScoringProcess:
+    """Scores in a child process forked now, holding the detector as it is (``straggler.scoring: process``).
+
+    Args:
+        score: scores one exchange (runs in the child, on its copy of the detector).
+        state: the scorer's whole state (runs in the child).
+        timeout_s: longest wait for a result the training process needs (the report's, a close's).
+    """
+
+    def __init__(self, score: ScoreFn, state: StateFn, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        ctx = multiprocessing.get_context("fork")
+        self._conn, child = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(
+            target=_serve, args=(child, self._conn, score, state), name="straggler-scoring", daemon=True
+        )
+        with warnings.catch_warnings():  # the child runs NumPy and pickle only, never the parent's other threads
+            warnings.filterwarnings(
+                "ignore", message=r".*use of fork\(\) may lead to deadlocks", category=DeprecationWarning
+            )
+            self._process.start()
+        child.close()
+        self._pending = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def submit(self, step: int, bodies: list[bytes]) -> None:
+        self._send(("score", step, bodies))
+        self._pending += 1
+
+    def take(self, *, wait: bool) -> list[Scored]:
+        out = []
+        while self._pending and (wait or self._conn.poll()):
+            out.append(self._receive("scored"))
+            self._pending -= 1
+        return out
+
+    def state(self) -> Any:
+        self.take(wait=True)
+        self._send(("state",))
+        return self._receive("state")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send(("close",))
+        self._process.join(timeout=self._timeout_s)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout=10)
+        self._conn.close()
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        try:
+            self._conn.send(message)
+        except OSError as err:
+            raise self._gone(f"cannot reach it ({err})") from err
+
+    def _receive(self, kind: str) -> Any:
+        deadline = time.monotonic() + self._timeout_s
+        while not self._conn.poll(0.5):
+            if not self._process.is_alive() and not self._conn.poll():
+                raise self._gone(f"it exited with code {self._process.exitcode}")
+            if time.monotonic() > deadline:
+                raise self._gone(f"no answer within {self._timeout_s:.0f} s")
+        try:
+            got, value = self._conn.recv()
+        except EOFError as err:
+            raise self._gone(f"it exited with code {self._process.exitcode}") from err
+        if got == "error":
+            raise StragglerGatherError(
+                f"straggler: rank 0's scoring process failed:\n{value}", op="straggler.scoring", group="straggler"
+            )
+        assert got == kind, f"straggler scoring: expected {kind!r}, got {got!r}"
+        return value
+
+    def _gone(self, why: str) -> StragglerGatherError:
+        return StragglerGatherError(
+            f"straggler: rank 0's scoring process (pid {self._process.pid}) is gone: {why}",
+            op="straggler.scoring",
+            group="straggler",
+        )
+
+
+def _serve(conn: Any, parent_end: Any, score: ScoreFn, state: StateFn) -> None:
+    """The child: score what arrives until the pipe closes or the parent asks it to stop."""
+    parent_end.close()
+    _die_with_parent()
+    _yield_to_training()
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)  # the training process's handlers (preemption, dumps) are not ours
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which closes this process
+    code = 0
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break  # the parent is gone
+            if message[0] == "close":
+                break
+            try:
+                reply = ("scored", score(message[1], message[2])) if message[0] == "score" else ("state", state())
+            except Exception:  # sent to the parent, which raises it
+                reply = ("error", traceback.format_exc())
+            conn.send(reply)
+    except BaseException:  # a child must never run the parent's exit path
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _yield_to_training() -> None:
+    """A woken scorer must not preempt the rank's training thread on its core: a batch task (no wake-up preemption)
+    at a lower priority, so it runs on idle time first and gets a share of a busy core (about a tenth) otherwise."""
+    with contextlib.suppress(OSError, AttributeError):  # Linux only
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    with contextlib.suppress(OSError):
+        os.nice(10)
+
+
+def _die_with_parent() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def open_scorer(place: str, score: ScoreFn, state: StateFn, timeout_s: float) -> Scorer:
+    """The scorer of ``straggler.scoring``: 'process', or 'thread' (also where this platform cannot fork, or this
+    process may not have children: a daemonic one)."""
+    if place == "process" and "fork" in multiprocessing.get_all_start_methods():
+        try:
+            return ScoringProcess(score, state, timeout_s)
+        except (AssertionError, OSError) as err:  # a daemonic process, or no resources left to fork
+            log.warning("straggler: scoring on a thread of the training process (no scoring process: %s)", err)
+    return ScoringThread(score, state, timeout_s)

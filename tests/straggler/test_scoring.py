@@ -1,0 +1,224 @@
+"""Rank 0 of the tree exchange scores every rank's timings off the training thread: in a process of its own (the
+default) or on a thread. The training thread never waits for work that grows with the number of ranks, and both
+places reach the same verdicts (no sleeps: the scoring is held on an event)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from lightning_resilience.straggler import StragglerDetector
+from lightning_resilience.straggler.config import StragglerConfig
+from lightning_resilience.straggler.exchange import StragglerGatherError
+from lightning_resilience.straggler.scoring import ScoringProcess, ScoringThread
+from tests.straggler._sim import FakeClock
+
+WORLD = 3
+
+
+class _Arrived:
+    """A gather that has arrived: rank 0's view, every rank's body."""
+
+    def __init__(self, value: list[tuple[int, bytes]], step: int | None) -> None:
+        self.value, self.step, self.issued = value, step, time.perf_counter()
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: Any = None) -> list[tuple[int, bytes]]:
+        return self.value
+
+
+class _Tree:
+    """Rank 0 of a tree of ``WORLD`` ranks whose other ranks send rank 0's timings; rank ``slow``'s are ``factor``
+    times longer from step ``onset`` on."""
+
+    group = SimpleNamespace(rank=0, world_size=WORLD)
+
+    def __init__(self, slow: int | None = None, factor: float = 1.0, onset: int = 0) -> None:
+        self.gathers, self.slow, self.factor, self.onset = 0, slow, factor, onset
+
+    def gather(self, body: bytes, *, op: str, step: int | None = None) -> _Arrived:
+        self.gathers += 1
+        bodies = []
+        for r in range(WORLD):
+            payload = json.loads(body)
+            payload["rank"] = r
+            if r == self.slow:
+                payload["times"] = [
+                    {k: v * self.factor for k, v in row.items()} if at >= self.onset else row
+                    for at, row in zip(payload["steps"], payload["times"])
+                ]
+            bodies.append((r, json.dumps(payload).encode()))
+        return _Arrived(bodies, step)
+
+
+def _detector(place: str, tree: _Tree, clock: FakeClock, **kw: Any) -> StragglerDetector:
+    config = StragglerConfig(warmup_steps=2, gather_every_n_steps=2, scoring=place, **kw)
+    return StragglerDetector.with_tree(config, tree, clock=clock)  # type: ignore[arg-type]
+
+
+class _Steps:
+    def __init__(self, detector: StragglerDetector, clock: FakeClock) -> None:
+        self.detector, self.clock, self.step = detector, clock, 0
+
+    def __call__(self, seconds: float = 0.1) -> None:
+        self.detector.start_step()
+        self.clock.advance(seconds)
+        self.detector.end_step(self.step)
+        self.step += 1
+
+
+@pytest.mark.parametrize("place", ["process", "thread"])
+def test_the_training_thread_does_not_wait_for_rank_0s_scoring(place: str) -> None:
+    clock, tree = FakeClock(), _Tree()
+    detector = _detector(place, tree, clock)
+    # made before the scorer forks, so the scoring process shares them
+    ctx = multiprocessing.get_context("fork")
+    release, entered, scored_in = ctx.Event(), ctx.Event(), ctx.Value("i", 0)
+    scored_on: list[str] = []
+    consume = detector.consume
+
+    def held(step: int, payloads: Any) -> Any:
+        scored_in.value = os.getpid()
+        scored_on.append(threading.current_thread().name)
+        entered.set()
+        assert release.wait(30), "the scoring was never released"
+        return consume(step, payloads)
+
+    detector.consume = held  # type: ignore[method-assign]
+    one_step = _Steps(detector, clock)
+    while tree.gathers < 2:  # the first exchange is taken (handed to the scorer) when the second is issued
+        one_step()
+    assert entered.wait(30) and detector.scoring
+    for _ in range(6):  # steps go on while the scoring is held; their exchanges queue behind it
+        one_step()
+    assert detector.scoring and detector.gathers == 0
+    release.set()
+    detector.drain()
+    assert not detector.scoring and detector.gathers >= 1
+    scorer = detector._scorer
+    if place == "process":
+        assert isinstance(scorer, ScoringProcess)
+        assert scored_in.value == scorer.pid != os.getpid()  # another interpreter: the training one's lock is free
+        assert not scored_on  # nothing scored on a thread of this process
+    else:
+        assert isinstance(scorer, ScoringThread) and scored_in.value == os.getpid()
+        assert scored_on and all(name.startswith("straggler-scoring") for name in scored_on)
+        assert threading.current_thread().name not in scored_on
+    detector.close()  # drains what is left and stops the scorer
+    assert not any(t.name.startswith("straggler-scoring") for t in threading.enumerate())
+    if place == "process":
+        assert isinstance(scorer, ScoringProcess) and not scorer._process.is_alive()
+
+
+def _run(place: str, steps: int) -> StragglerDetector:
+    clock, tree = FakeClock(), _Tree(slow=2, factor=1.5, onset=steps // 2)
+    detector = _detector(place, tree, clock)
+    one_step = _Steps(detector, clock)
+    for i in range(steps):
+        one_step(0.1 * (1 + 0.01 * (i % 3)))
+    detector.drain()
+    return detector
+
+
+def test_a_scoring_process_reaches_the_thread_s_verdicts_and_report() -> None:
+    by_thread, by_process = _run("thread", 60), _run("process", 60)
+    try:
+        assert by_thread.verdicts, "the slow rank was never named: the comparison would be empty"
+        assert [v.to_dict() for v in by_process.verdicts] == [v.to_dict() for v in by_thread.verdicts]
+        assert [d.to_dict() for d in by_process.decisions] == [d.to_dict() for d in by_thread.decisions]
+        assert by_process.gathers == by_thread.gathers
+        assert json.dumps(list(by_process.history)) == json.dumps(list(by_thread.history))  # NaN: not timed
+        assert by_process.scores() == by_thread.scores()
+        reports = [d.report() for d in (by_process, by_thread)]
+        for report in reports:
+            report.pop("gather_seconds")  # wall time on this machine
+        assert json.dumps(reports[0]) == json.dumps(reports[1])
+    finally:
+        by_thread.close()
+        by_process.close()
+
+
+def test_a_dead_scoring_process_is_an_error_that_names_it_and_close_still_returns() -> None:
+    clock, tree = FakeClock(), _Tree()
+    detector = _detector("process", tree, clock, gather_timeout_s=30)
+    one_step = _Steps(detector, clock)
+    while tree.gathers < 2:
+        one_step()
+    scorer = detector._scorer
+    assert isinstance(scorer, ScoringProcess) and scorer.pid is not None
+    detector.drain()
+    os.kill(scorer.pid, signal.SIGKILL)
+    scorer._process.join(30)
+    gathers = tree.gathers
+    with pytest.raises(StragglerGatherError, match=rf"scoring process \(pid {scorer.pid}\) is gone"):
+        while tree.gathers < gathers + 2:  # the next exchange is handed to a process that is gone
+            one_step()
+    detector.close()  # logs it, does not raise: a fit's end must not fail on the report's scorer
+
+
+def test_an_error_in_the_scoring_process_reaches_the_training_process() -> None:
+    clock, tree = FakeClock(), _Tree()
+    detector = _detector("process", tree, clock)
+
+    def broken(step: int, payloads: Any) -> Any:
+        raise ValueError("scoring bug")
+
+    detector.consume = broken  # type: ignore[method-assign]
+    one_step = _Steps(detector, clock)
+    while tree.gathers < 2:
+        one_step()
+    with pytest.raises(StragglerGatherError, match="ValueError: scoring bug"):
+        detector.drain()
+    detector._scorer.close()  # type: ignore[union-attr]
+
+
+_ORPHAN_SCRIPT = """
+import json, sys
+from tests.straggler.test_scoring import FakeClock, _Steps, _Tree, _detector
+clock, tree = FakeClock(), _Tree()
+detector = _detector("process", tree, clock)
+print(detector.start_scorer().pid, flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open (Linux)")
+def test_the_scoring_process_dies_with_its_rank() -> None:
+    """A rank killed outright (SIGKILL: no teardown, no atexit) leaves no scoring process behind holding copies of
+    its sockets."""
+    import select
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    rank = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN_SCRIPT], cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert rank.stdout is not None
+        child = int(rank.stdout.readline())
+        fd = os.pidfd_open(child)
+        try:
+            ready, _, _ = select.select([fd], [], [], 0)
+            assert not ready, "the scoring process exited before its rank"
+            rank.kill()
+            rank.wait(30)
+            ready, _, _ = select.select([fd], [], [], 30)  # readable once the process has exited
+            assert ready, f"scoring process {child} outlived its killed rank"
+        finally:
+            os.close(fd)
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait(30)
