@@ -7,8 +7,9 @@ batch) it waits, up to the interpreter's switch interval (5 ms), so the scoring 
 measured on 2 CPU ranks, 3 ms per exchange of 10 steps, about 0.3 ms a step of a 70 ms step. A process has its
 own interpreter: the training process only sends the exchanged bytes and reads back the decisions.
 
-Both places take the same calls (:class:`Scorer`): ``submit`` an exchange, ``take`` the finished ones in order (never
-waiting unless asked), ``state`` for the report, ``close``. The process is forked from the training process when the
+Both places take the same calls (:class:`Scorer`): ``submit`` an exchange (never waiting: a thread of the training
+process writes it to the pipe), ``take`` the finished ones in order (never waiting unless asked), ``state`` for the
+report, ``close``. The process is forked from the training process when the
 first exchange arrives, so it starts with the detector as it is then and never imports anything; it dies with its
 parent (``PR_SET_PDEATHSIG`` on Linux, and the closed pipe everywhere), ignores the signals the training process
 handles, and every wait on it has a deadline.
@@ -21,8 +22,10 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -128,6 +131,12 @@ class ScoringProcess:
             self._process.start()
         child.close()
         self._pending = 0
+        # a thread of its own writes to the pipe: an exchange of N records is megabytes at thousands of ranks, more
+        # than the pipe holds, and the training thread must not wait for the child to read it
+        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._send_error: OSError | None = None
+        self._sender = threading.Thread(target=self._send_all, name="straggler-scoring-send", daemon=True)
+        self._sender.start()
 
     @property
     def pid(self) -> int | None:
@@ -138,7 +147,7 @@ class ScoringProcess:
         return self._pending
 
     def submit(self, step: int, bodies: list[bytes]) -> None:
-        self._send(("score", step, bodies))
+        self._outbox.put(("score", step, bodies))
         self._pending += 1
 
     def take(self, *, wait: bool) -> list[Scored]:
@@ -150,29 +159,35 @@ class ScoringProcess:
 
     def state(self) -> Any:
         self.take(wait=True)
-        self._send(("state",))
+        self._outbox.put(("state",))
         return self._receive("state")
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._conn.send(("close",))
+        self._outbox.put(("close",))
+        self._outbox.put(None)
+        self._sender.join(timeout=self._timeout_s)
         self._process.join(timeout=self._timeout_s)
         if self._process.is_alive():
             self._process.kill()
             self._process.join(timeout=10)
         self._conn.close()
 
-    def _send(self, message: tuple[Any, ...]) -> None:
-        try:
-            self._conn.send(message)
-        except OSError as err:
-            raise self._gone(f"cannot reach it ({err})") from err
+    def _send_all(self) -> None:
+        """The sender thread: the messages in order, until the sentinel or a pipe that is gone."""
+        while (message := self._outbox.get()) is not None:
+            try:
+                self._conn.send(message)
+            except OSError as err:  # the child is gone: the next result read says so
+                self._send_error = err
+                return
 
     def _receive(self, kind: str) -> Any:
         deadline = time.monotonic() + self._timeout_s
         while not self._conn.poll(0.5):
             if not self._process.is_alive() and not self._conn.poll():
                 raise self._gone(f"it exited with code {self._process.exitcode}")
+            if self._send_error is not None:
+                raise self._gone(f"cannot reach it ({self._send_error})")
             if time.monotonic() > deadline:
                 raise self._gone(f"no answer within {self._timeout_s:.0f} s")
         try:

@@ -222,3 +222,39 @@ def test_the_scoring_process_dies_with_its_rank() -> None:
         if rank.poll() is None:
             rank.kill()
             rank.wait(30)
+
+
+def test_a_large_exchange_is_handed_over_while_the_scorer_is_busy() -> None:
+    """At thousands of ranks an exchange is megabytes, more than a pipe holds: handing it over must not wait for the
+    child to read it (here the child is held inside the previous exchange)."""
+    import numpy as np
+
+    from lightning_resilience.straggler.scoring import Scored
+
+    ctx = multiprocessing.get_context("fork")
+    release, entered = ctx.Event(), ctx.Event()
+
+    def score(step: int, bodies: list[bytes]) -> Scored:
+        entered.set()
+        assert release.wait(30), "the scoring was never released"
+        return Scored([], None, step, step, (np.zeros(1), np.zeros(1), sum(map(len, bodies))))
+
+    scorer = ScoringProcess(score, lambda: None, timeout_s=30)
+    try:
+        scorer.submit(0, [b"{}"])
+        assert entered.wait(30)
+        handed = threading.Event()
+        big = [b"x" * (1 << 20)] * 4  # 4 MiB
+
+        def submit() -> None:
+            scorer.submit(1, big)
+            handed.set()
+
+        threading.Thread(target=submit, daemon=True).start()
+        assert handed.wait(30), "the training thread waited for the busy scorer to read the exchange"
+        release.set()
+        scored = scorer.take(wait=True)
+        assert [s.gathers for s in scored] == [0, 1] and scored[1].scores[2] == 4 << 20
+    finally:
+        release.set()
+        scorer.close()
