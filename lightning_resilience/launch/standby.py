@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning_resilience._lifetime import die_with_parent
 from lightning_resilience.launch import attempt as attempt_module
 from lightning_resilience.launch import fork_server
 from lightning_resilience.launch.attempt import worker_argv
@@ -32,17 +33,6 @@ from lightning_resilience.launch.worker import STANDBY_ENV
 __all__ = ["AgentAhead", "StandbyWorkers", "predicted_env"]
 
 _STOP_TIMEOUT_S = 15.0
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(sig: int) -> None:
-    """In a child of the launcher: get ``sig`` when the launcher dies (Linux)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
-    except (OSError, AttributeError):
-        pass
 
 
 def _python() -> str:
@@ -132,7 +122,7 @@ class StandbyWorkers:
                 stdin=subprocess.DEVNULL,
                 pass_fds=(listener.fileno(), stop_r),
                 start_new_session=True,  # no terminal signal reaches it; the launcher ends it
-                preexec_fn=lambda: _die_with_parent(signal.SIGKILL),
+                preexec_fn=lambda: die_with_parent(signal.SIGKILL),
             )
         finally:
             listener.close()  # the server holds it: when it is gone, a rank's connect fails at once
@@ -183,7 +173,7 @@ class AgentAhead:
             [sys.executable, str(Path(attempt_module.__file__).resolve()), *args],
             pass_fds=pass_fds,
             start_new_session=True,  # its own process group: stopped as a whole; Ctrl-C reaches the launcher only
-            preexec_fn=lambda: _die_with_parent(signal.SIGTERM),
+            preexec_fn=lambda: die_with_parent(signal.SIGTERM),
         )
 
     def prepare(self) -> None:

@@ -261,10 +261,11 @@ class StragglerDetector:
         if self._scorer is None:
             return []
         decisions: list[Escalation] = []
+        elsewhere = self._scorer.scores_elsewhere  # a thread updates this detector itself: nothing to read back
         for scored in self._scorer.take(wait=wait):
-            decisions += self._apply(scored)
-        if wait:  # the report's state, from where it was scored
-            self.scoreboard, self.episodes, self.history, self.nodes, self.node_index = self._scorer.state()
+            decisions += self._apply(scored) if elsewhere else list(scored.decisions)
+        if wait and (state := self._scorer.state()) is not None:  # the report's, from where it was scored
+            self.scoreboard, self.episodes, self.history, self.nodes, self.node_index = state
         return decisions
 
     def _score_bodies(self, step: int, bodies: list[bytes]) -> Scored:

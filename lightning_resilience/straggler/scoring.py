@@ -18,7 +18,6 @@ handles, and every wait on it has a deadline.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -37,6 +36,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from lightning_resilience._lifetime import die_with_parent
 from lightning_resilience.straggler.exchange import StragglerGatherError
 
 __all__ = ["Scored", "Scorer", "ScoringProcess", "ScoringThread", "open_scorer"]
@@ -65,6 +65,9 @@ class Scored:
 class Scorer(Protocol):
     """Scores exchanges somewhere other than the training thread."""
 
+    scores_elsewhere: bool
+    """The scoring updates a copy of the detector (a process): what it scored must be read back into the rank's."""
+
     @property
     def pending(self) -> int:
         """Exchanges submitted and not yet taken."""
@@ -75,13 +78,16 @@ class Scorer(Protocol):
         """The scored exchanges, oldest first: those finished (``wait``: all of them, within the deadline)."""
 
     def state(self) -> Any:
-        """The scorer's whole state (after :meth:`take` with ``wait``)."""
+        """The scorer's whole state (after :meth:`take` with ``wait``); None when nothing was scored since the last
+        call (a report, a plot and a close at a fit's end fetch it once)."""
 
     def close(self) -> None: ...
 
 
 class ScoringThread:
-    """Scores on one thread of the training process (``straggler.scoring: thread``)."""
+    """Scores on one thread of the training process (``straggler.scoring: thread``): it updates the detector itself."""
+
+    scores_elsewhere = False
 
     def __init__(self, score: ScoreFn, state: StateFn, timeout_s: float) -> None:
         self._score, self._state, self._timeout_s = score, state, timeout_s
@@ -117,6 +123,8 @@ class ScoringProcess:
         timeout_s: longest wait for a result the training process needs (the report's, a close's).
     """
 
+    scores_elsewhere = True
+
     def __init__(self, score: ScoreFn, state: StateFn, timeout_s: float) -> None:
         self._timeout_s = timeout_s
         ctx = multiprocessing.get_context("fork")
@@ -131,6 +139,7 @@ class ScoringProcess:
             self._process.start()
         child.close()
         self._pending = 0
+        self._scored_since_state = False
         # a thread of its own writes to the pipe: an exchange of N records is megabytes at thousands of ranks, more
         # than the pipe holds, and the training thread must not wait for the child to read it
         self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
@@ -155,11 +164,15 @@ class ScoringProcess:
         while self._pending and (wait or self._conn.poll()):
             out.append(self._receive("scored"))
             self._pending -= 1
+            self._scored_since_state = True
         return out
 
     def state(self) -> Any:
         self.take(wait=True)
+        if not self._scored_since_state:
+            return None
         self._outbox.put(("state",))
+        self._scored_since_state = False
         return self._receive("state")
 
     def close(self) -> None:
@@ -212,7 +225,7 @@ class ScoringProcess:
 def _serve(conn: Any, parent_end: Any, score: ScoreFn, state: StateFn) -> None:
     """The child: score what arrives until the pipe closes or the parent asks it to stop."""
     parent_end.close()
-    _die_with_parent()
+    die_with_parent()
     _yield_to_training()
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)  # the training process's handlers (preemption, dumps) are not ours
@@ -246,14 +259,6 @@ def _yield_to_training() -> None:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     with contextlib.suppress(OSError):
         os.nice(10)
-
-
-def _die_with_parent() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def open_scorer(place: str, score: ScoreFn, state: StateFn, timeout_s: float) -> Scorer:
