@@ -1,5 +1,7 @@
-"""Replay rounds of :class:`~lightning_resilience.sdc.monitor.SDCMonitor`: gather every rank's batch and RNG state,
-replay (self and partner), vote per batch, conclude, and recompute a corrupt gradient in place.
+"""Replay rounds of :class:`~lightning_resilience.sdc.monitor.SDCMonitor`: hand each checked batch and RNG state to
+its partner, replay (self and partner), vote per batch, conclude, and recompute a corrupt gradient in place. Where
+the ranks have no original digests (no communication hook) a round's pairs vote with their neighbours and one
+all-reduce ends a clean round; a disagreement, or original digests, take every rank into one vote by gathers.
 
 The monitor owns the state a round reads (config, parameters, the replayer, the fingerprint hook, the guard reports
 that triggered the round) and the decisions it records (``_record``, ``_fail``, ``_diverged``, the gathers on the
@@ -9,7 +11,8 @@ side group).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+import pickle
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -69,8 +72,15 @@ class ReplayRound:
         mine_in = None
         if partner and rank in checked:  # the batches travel on the host (one read of this rank's batch, on a replay)
             mine_in = (map_tensors(self.m._batch, lambda t: t.detach().cpu()), self.m._rng)
-        # one gather carries both what a partner replays and each rank's own digests (None where it has none)
-        inputs, originals = (list(column) for column in zip(*self.m._gather((mine_in, original))))
+        # with nothing of its own to compare (no hook), a batch goes to its partner alone, and a round whose pairs
+        # agree ends with one all-reduce: a clean round costs a rank the same at 2 ranks and at 10,000
+        neighbours = partner and original is None and self.m._hook is None
+        if neighbours:
+            inputs: list[object] = [None] * world
+            inputs[(rank - 1) % world] = self._neighbours(mine_in, both=False).get((rank - 1) % world)
+            originals: list[torch.Tensor | None] = [None] * world
+        else:  # one gather carries both what a partner replays and each rank's own digests (None where it has none)
+            inputs, originals = (list(column) for column in zip(*self.m._gather((mine_in, original))))
         inputs[rank] = (self.m._batch, self.m._rng)
         opinions: dict[int, list[Opinion]] = {b: [] for b in checked}
         raw: dict[int, list[torch.Tensor | None]] = {b: [] for b in checked}  # per-parameter digests
@@ -86,7 +96,7 @@ class ReplayRound:
             for b, devices in plan.items():
                 if rank not in devices:
                     continue
-                batch, rng = inputs[b]
+                batch, rng = cast(tuple[Any, Any], inputs[b])
                 if b != rank:
                     batch = map_tensors(batch, self.m._to_device)
                 digests, grads = self.m._replayer.replay(batch, rng)
@@ -94,6 +104,15 @@ class ReplayRound:
                 mine[b] = digests
                 if b == rank:
                     own_grads.append((group_rows(self.m.digest, digests, groups), grads))
+            if neighbours:
+                neighbours = False
+                if not self.m._any(not self._pairs_agree(mine, checked, groups)):
+                    clean = {b: Ballot(decided=True, majority=[0, 1]) for b in checked}
+                    self._conclude_replay(out, guard_fired, opinions, clean, raw, own_grads)
+                    return
+                # a pair disagrees: every rank takes part in the vote from here, with every batch (a rare round)
+                inputs = [x for x, _ in self.m._gather((mine_in, None))]
+                inputs[rank] = (self.m._batch, self.m._rng)
             for device, results in enumerate(self.m._gather(mine)):
                 for b, digests in results.items():
                     raw[b].append(digests)
@@ -105,6 +124,37 @@ class ReplayRound:
                     continue
                 plan[b] = [next_device(b, opinions[b], world, others=partner)]
         self._conclude_replay(out, guard_fired, opinions, ballots, raw, own_grads)
+
+    def _neighbours(self, obj: object, *, both: bool) -> dict[int, Any]:
+        """Send ``obj`` to the next rank in the ring (and the previous one with ``both``); returns what came from the
+        previous rank (and the next one), by rank. The neighbours are one rank at 2 ranks."""
+        world, rank = self.m.world_size, self.m.rank
+        nxt, prev = (rank + 1) % world, (rank - 1) % world
+        send_to, recv_from = ([nxt, prev], [prev, nxt]) if both and nxt != prev else ([nxt], [prev])
+        got = self.m._group.exchange(
+            pickle.dumps(obj), send_to=send_to, recv_from=recv_from, op="sdc.neighbours", step=self.m._step
+        )
+        # a rank of this job, as in any_type gathers
+        return {src: pickle.loads(data) for src, data in zip(recv_from, got) if data is not None}
+
+    def _pairs_agree(self, mine: dict[int, torch.Tensor], checked: list[int], groups: list[list[int]]) -> bool:
+        """Whether the batches this rank replayed agree with their other replay, from one exchange of every replay
+        with both neighbours: a rank's own batch against the next rank's replay of it, the previous rank's batch
+        against that rank's own replay."""
+        rank, world = self.m.rank, self.m.world_size
+        nxt, prev = (rank + 1) % world, (rank - 1) % world
+        got = self._neighbours(mine, both=True)
+        theirs = {rank: got.get(nxt, {}).get(rank), prev: got.get(prev, {}).get(prev)}
+        for b in (rank, prev):
+            if b not in checked:
+                continue
+            here, there = mine.get(b), theirs.get(b)
+            if here is None or there is None:
+                return False
+            rows = group_rows(self.m.digest, here, groups), group_rows(self.m.digest, there, groups)
+            if not self.m.digest.equal(*rows):
+                return False
+        return True
 
     def _conclude_replay(
         self,
