@@ -21,6 +21,7 @@ __all__ = [
     "Attempt",
     "FaultNote",
     "atomic_write_json",
+    "atomic_write_text",
     "current_attempt",
     "read_fault_notes",
     "write_fault_note",
@@ -102,10 +103,15 @@ class FaultNote:
 
 def atomic_write_json(path: Path, data: Any, *, fsync: bool = True) -> None:
     """Write ``data`` as JSON to ``path`` so a reader sees the old file or the new one, never a torn one."""
+    atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True), fsync=fsync)
+
+
+def atomic_write_text(path: Path, text: str, *, fsync: bool = True) -> None:
+    """Write ``text`` to ``path`` so a reader sees the old file or the new one, never a torn one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
+        f.write(text)
         if fsync:
             f.flush()
             os.fsync(f.fileno())

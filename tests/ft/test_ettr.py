@@ -105,6 +105,24 @@ def test_heartbeat_writes_are_throttled_but_in_memory_state_is_current(tmp_path:
     assert json.loads((tmp_path / LEDGER_FILE).read_text())["attempts"][0]["last_step"] == 2
 
 
+def test_one_ledger_object_across_attempts_writes_what_each_attempt_became(tmp_path: Path) -> None:
+    """Attempts that have ended are encoded once (a heartbeat write costs the current attempt only); the attempt a
+    new one closes is written again with the notes its ranks left and its end."""
+    clock = WallClock()
+    ledger = _attempt(tmp_path, clock, 0)
+    _run_steps(ledger, clock, 0, 20, 1.0, 0.1)
+    write_fault_note(tmp_path, FaultNote("hang", rank=1, attempt=0, step=20, detected_at=clock.now, message="stuck"))
+    clock.now += 5.0
+    ledger.begin_attempt(restart_count=1, launcher="torchrun", world_size=2, job_id="j")
+    _run_steps(ledger, clock, 20, 30, 1.0, 0.1)
+    ledger.begin_attempt(restart_count=2, launcher="torchrun", world_size=2, job_id="j")
+    _run_steps(ledger, clock, 30, 35, 1.0, 0.1)
+    on_disk = EttrLedger(tmp_path, wall_clock=clock).attempts
+    assert [asdict(a) for a in on_disk] == [asdict(a) for a in ledger.attempts]
+    assert [a.end_reason for a in on_disk] == ["hang", "lost", None] and on_disk[2].last_step == 35
+    assert "\n" not in (tmp_path / LEDGER_FILE).read_text()  # compact: the C encoder writes it
+
+
 def test_unreadable_ledger_is_kept_aside_and_a_new_one_started(tmp_path: Path) -> None:
     (tmp_path / LEDGER_FILE).write_text("{not json")
     ledger = EttrLedger(tmp_path, wall_clock=WallClock())
