@@ -24,6 +24,7 @@ import queue
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -93,7 +94,7 @@ class AgreementStats:
     """Time the training thread spent waiting for a result that had not arrived yet."""
     waits: int = 0
     """Results taken before they had arrived (the training thread waited)."""
-    latencies: list[float] = field(default_factory=list)
+    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
     """Latency of the most recent rounds (at most 1,000), for benchmarks."""
 
 
@@ -249,7 +250,7 @@ class TreeAgreement:
             stats.gathers += kind == "gather"
             stats.round_seconds += latency
             stats.round_seconds_max = max(stats.round_seconds_max, latency)
-            stats.latencies = [*stats.latencies[-999:], latency]
+            stats.latencies.append(latency)
             pending._set(value)
 
     def _exchange(
