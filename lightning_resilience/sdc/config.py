@@ -54,7 +54,8 @@ class SDCConfig:
     ``partner_replay`` its neighbour), or 'rotate' (one rank's batch per round, by turns: replayed by that rank and by
     its neighbour, with more opinions only when they disagree), so that a round costs one forward and backward
     wherever it runs and a device that corrupts every step is met every ``world_size / 2`` rounds (its own batch,
-    or its neighbour's). A round a guard or a restore asks for checks every batch."""
+    or its neighbour's). A round a restore asks for checks every batch; so does one a guard asks for, unless only
+    ranks' own losses spiked (then their batches: see docs/sdc.md)."""
     replay_after_restore: bool = True
     """Replay the first step after every restore (an in-process rollback, a resume), with partner, as torchtitan's
     SDC replay does: a device that corrupts every step is named at once (a non-finite value it caused only rolls

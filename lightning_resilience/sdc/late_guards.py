@@ -2,10 +2,10 @@
 
 With a read lag (``sdc.guard_read_lag``, 1 by default) a step's guard values reach the host a step or more later,
 without stalling the device. At the start of each step the values that arrived are checked here
-(:meth:`LateGuards.read`); what they say goes into the step's one agreement as five integers (a guard fired, a
-parameter norm jumped, a value was not finite: OR; the first non-finite step and the first spiking step: MIN), and
-every rank reads the agreed findings at the step's end (:meth:`LateGuards.agreed`). A loop without a step driver
-agrees on them at once in one all-reduce (:meth:`LateGuards.agree_now`).
+(:meth:`LateGuards.read`); what they say goes into the step's one agreement as six integers (a guard fired, a
+parameter norm jumped, a value was not finite, a job-wide guard fired: OR; the first non-finite step and the first
+spiking step: MIN), and every rank reads the agreed findings at the step's end (:meth:`LateGuards.agreed`). A loop
+without a step driver agrees on them at once in one all-reduce (:meth:`LateGuards.agree_now`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ from lightning_resilience.sdc.guards import GuardReader, GuardReport, Guards
 from lightning_resilience.step.agreement import Op
 from lightning_resilience.step.driver import Field
 
-__all__ = ["PARAM_GUARDS", "LateFindings", "LateGuards", "count_fired"]
+__all__ = ["PARAM_GUARDS", "RANK_GUARDS", "LateFindings", "LateGuards", "count_fired"]
 
 PARAM_GUARDS = ("param_norm_jump", "nonfinite_param")
 """Guards about stored state: a replay does not cover them, a reconciliation does."""
+RANK_GUARDS = ("loss_spike", "nonfinite_loss")
+"""Guards on what one rank computed alone (its batch's loss): when only these fire, the ranks that saw them are the
+ones whose batches a replay checks. The others (the gradient norm, taken after the all-reduce) speak for the job."""
 _NONE = 2**62  # no step (the identity of MIN)
 
 
@@ -46,6 +49,8 @@ class LateFindings:
     """The earliest step whose loss or gradient norm spiked on some rank."""
     reports: list[GuardReport] = field(default_factory=list)
     """This rank's reports that fired, read for this round."""
+    job_wide: bool = False
+    """A guard that is not one rank's own (:data:`RANK_GUARDS`) fired on some rank: replay every rank's batch."""
 
 
 class LateGuards:
@@ -68,11 +73,12 @@ class LateGuards:
             Field("sdc.nonfinite", Op.OR),
             Field("sdc.first_nonfinite_step", Op.MIN),
             Field("sdc.first_spike_step", Op.MIN),
+            Field("sdc.job_guard_fired", Op.OR),
         ]
 
     def read(self, step: int) -> list[int]:
-        """Check the guard values that reached the host (no device read, no wait); this rank's five values."""
-        fired = jumped = nonfinite = False
+        """Check the guard values that reached the host (no device read, no wait); this rank's six values."""
+        fired = jumped = nonfinite = job = False
         reports: list[GuardReport] = []
         for report in self.reader.arrived():
             count_fired(self.counts, report)
@@ -83,19 +89,21 @@ class LateGuards:
                 reports.append(report)
                 fired = True
                 nonfinite = nonfinite or any(f.startswith("nonfinite") for f in step_guards)
+                job = job or any(f not in RANK_GUARDS for f in step_guards)
             jumped = jumped or any(f in PARAM_GUARDS for f in report.fired)
             if not step_guards:  # a parameter-norm jump is settled by the reconciliation it forces, not here
                 self.guards.accept(report)
         self._reports[step] = reports
         nonfinite_at = [r.step for r in reports if any(f.startswith("nonfinite") for f in r.fired)]
         spike_at = [r.step for r in reports if any(f.endswith("_spike") for f in r.fired)]
-        return [int(fired), int(jumped), int(nonfinite), min(nonfinite_at, default=_NONE), min(spike_at, default=_NONE)]
+        first_nonfinite, first_spike = min(nonfinite_at, default=_NONE), min(spike_at, default=_NONE)
+        return [int(fired), int(jumped), int(nonfinite), first_nonfinite, first_spike, int(job)]
 
     def agreed(self, step: int, values: Sequence[int]) -> LateFindings:
         """The findings every rank agreed for the round of ``step``."""
         reports = self._reports.pop(step, [])
         self._reports.clear()  # a round never taken (an interrupted step) is forgotten with it
-        fired, jumped, nonfinite, nonfinite_at, spike_at = (int(v) for v in values)
+        fired, jumped, nonfinite, nonfinite_at, spike_at, job = (int(v) for v in values)
         return LateFindings(
             bool(fired),
             bool(jumped),
@@ -103,6 +111,7 @@ class LateGuards:
             nonfinite_at if nonfinite_at != _NONE else None,
             spike_at if spike_at != _NONE else None,
             reports,
+            job_wide=bool(job),
         )
 
     def agree_now(self, group: SideGroup, step: int, values: list[int]) -> list[int]:
@@ -110,7 +119,7 @@ class LateGuards:
         negated MAX of the negated values)."""
         if not group.distributed:
             return values
-        signs = [1, 1, 1, -1, -1]
+        signs = [1, 1, 1, -1, -1, 1]
         agreed = group.reduce_max_each([s * v for s, v in zip(signs, values)], op="sdc.late_guards", step=step)
         return [s * v for s, v in zip(signs, agreed)]
 

@@ -119,8 +119,11 @@ class SDCMonitor:
         self._restore_pending = False
         self._scheduled_rounds = 0
         """Scheduled replay rounds so far (whose batch a rotating round checks)."""
-        self._late_triggered = False
-        """A guard fired on some rank (agreed at the last step's end): the next step is replayed."""
+        self._late_triggered = self._late_job_guard = False
+        """A guard fired on some rank (agreed at the last step's end): the next step is replayed (every rank's batch
+        when a guard that is not a rank's own fired, else the batches of the ranks whose guards fired)."""
+        self._job_guard = False
+        """This step's replay was asked for by a guard that is not one rank's own (every batch is checked)."""
         self.late = LateGuards(self.guards, self.reader, self.stats.guard_fired)
         self._next_fired: list[GuardReport] = []
         """Those of the last agreed round: the next step's replay names them."""
@@ -192,10 +195,11 @@ class SDCMonitor:
         self._step_checked, self._step_ok = False, True
         self._unagreed = []
         if not self.driven and self.step_fields():
-            # a loop without a step driver: the late guards are agreed now, in one all-reduce of five integers
+            # a loop without a step driver: the late guards are agreed now, in one all-reduce of six integers
             self._unagreed = self.agreed(step, self.late.agree_now(self._group, step, self.late.read(step)))
         self._fired, self._next_fired = self._next_fired, []
         self._guard_triggered, self._late_triggered = self._late_triggered and not self.dirty, False
+        self._job_guard, self._late_job_guard = self._late_job_guard, False
         self._restore_check, self._restore_pending = self._restore_pending and not self.dirty, False
         if self._hook is not None:
             self._hook.reset()
@@ -220,7 +224,7 @@ class SDCMonitor:
         if not values:
             return []
         found = self.late.agreed(step, values)
-        self._late_triggered, self._next_fired = found.fired, found.reports
+        self._late_triggered, self._next_fired, self._late_job_guard = found.fired, found.reports, found.job_wide
         self._force_reconcile = self._force_reconcile or found.jumped
         self.late_nonfinite_step, self.late_spike_step = found.nonfinite_step, found.spike_step
         verdicts: list[Verdict] = []
@@ -412,7 +416,7 @@ class SDCMonitor:
         """The state of ``step`` was restored in the running process (every rank alike): forget the later verdicts
         and verified steps and the guard values still on their way; events and baselines are kept."""
         self.restored()
-        self.dirty, self._force_reconcile, self._late_triggered = False, False, False
+        self.dirty, self._force_reconcile, self._late_triggered, self._late_job_guard = False, False, False, False
         self.late_nonfinite_step = self.late_spike_step = None
         self._next_fired = []
         self.late.clear()

@@ -11,7 +11,7 @@ side group).
 from __future__ import annotations
 
 import dataclasses
-import pickle
+import io
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -66,18 +66,29 @@ class ReplayRound:
         cfg, world, rank = self.m.config, self.m.world_size, self.m.rank
         self.m.stats.replay_rounds += 1
         self.m._step_checked = True
-        checked = self._checked(scheduled=not guard_fired and not self.m._restore_check)
         original, groups = self._originals()
         partner = world > 1 and cfg.partner_replay
-        mine_in = None
-        if partner and rank in checked:  # the batches travel on the host (one read of this rank's batch, on a replay)
-            mine_in = (map_tensors(self.m._batch, lambda t: t.detach().cpu()), self.m._rng)
         # with nothing of its own to compare (no hook), a batch goes to its partner alone, and a round whose pairs
         # agree ends with one all-reduce: a clean round costs a rank the same at 2 ranks and at 10,000
         neighbours = partner and original is None and self.m._hook is None
+        # only ranks' own guards (a loss) fired: their batches are checked, which each of them and its partner alone
+        # know (the partner from the batch it receives), so a false alarm on one of N ranks costs two replays, not N
+        own = neighbours and guard_fired and self.m.reader.lag > 0 and not self.m._job_guard
+        own = own and not self.m._restore_check
+        every = self._checked(scheduled=not guard_fired and not self.m._restore_check)
+        checked = ([rank] if self.m._fired else []) if own else every
+        if neighbours and self.m._any(not _plain((self.m._batch, self.m._rng))):  # other types: the gather's pickle
+            neighbours = own = False
+            checked = every
+        mine_in = None
+        if partner and rank in checked:  # the batches travel on the host (one read of this rank's batch, on a replay)
+            mine_in = (map_tensors(self.m._batch, lambda t: t.detach().cpu()), self.m._rng)
         if neighbours:
             inputs: list[object] = [None] * world
-            inputs[(rank - 1) % world] = self._neighbours(mine_in, both=False).get((rank - 1) % world)
+            prev = (rank - 1) % world
+            inputs[prev] = self._neighbours(mine_in, both=False).get(prev)
+            if own and inputs[prev] is not None:
+                checked = sorted({*checked, prev})
             originals: list[torch.Tensor | None] = [None] * world
         else:  # one gather carries both what a partner replays and each rank's own digests (None where it has none)
             inputs, originals = (list(column) for column in zip(*self.m._gather((mine_in, original))))
@@ -91,7 +102,7 @@ class ReplayRound:
         own_grads: list[tuple[torch.Tensor, list[torch.Tensor | None]]] = []
         plan = {b: [b] + ([(b + 1) % world] if partner else []) for b in checked}
         ballots: dict[int, Ballot] = {}
-        while plan:
+        while plan or neighbours:  # a neighbour round: every rank takes part in its check, with or without replays
             mine: dict[int, torch.Tensor] = {}
             for b, devices in plan.items():
                 if rank not in devices:
@@ -112,6 +123,9 @@ class ReplayRound:
                     return
                 # a pair disagrees: every rank takes part in the vote from here, with every batch (a rare round)
                 inputs = [x for x, _ in self.m._gather((mine_in, None))]
+                if own:  # the batches checked, now known everywhere: those that travelled
+                    checked = [b for b, x in enumerate(inputs) if x is not None]
+                    opinions, raw = {b: [] for b in checked}, {b: [] for b in checked}
                 inputs[rank] = (self.m._batch, self.m._rng)
             for device, results in enumerate(self.m._gather(mine)):
                 for b, digests in results.items():
@@ -132,10 +146,10 @@ class ReplayRound:
         nxt, prev = (rank + 1) % world, (rank - 1) % world
         send_to, recv_from = ([nxt, prev], [prev, nxt]) if both and nxt != prev else ([nxt], [prev])
         got = self.m._group.exchange(
-            pickle.dumps(obj), send_to=send_to, recv_from=recv_from, op="sdc.neighbours", step=self.m._step
+            _dumps(obj), send_to=send_to, recv_from=recv_from, op="sdc.neighbours", step=self.m._step
         )
         # a rank of this job, as in any_type gathers
-        return {src: pickle.loads(data) for src, data in zip(recv_from, got) if data is not None}
+        return {src: _loads(data) for src, data in zip(recv_from, got) if data is not None}
 
     def _pairs_agree(self, mine: dict[int, torch.Tensor], checked: list[int], groups: list[list[int]]) -> bool:
         """Whether the batches this rank replayed agree with their other replay, from one exchange of every replay
@@ -251,3 +265,28 @@ class ReplayRound:
         if ok:
             self.m.stats.recomputed += 1
         return ok
+
+
+_PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, bytes, type(None))
+
+
+def _plain(obj: object) -> bool:
+    """Whether ``obj`` is tensors and built-in values in dicts, lists and tuples: what a neighbour reads back with
+    ``torch.load(weights_only=True)`` (a batch of the user's own types goes by the gather instead)."""
+    if isinstance(obj, _PLAIN_LEAVES):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return all(_plain(x) for x in obj)
+    if isinstance(obj, dict):
+        return all(isinstance(k, (str, int)) and _plain(v) for k, v in obj.items())
+    return False
+
+
+def _dumps(obj: object) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)

@@ -4,6 +4,7 @@ spawned processes: tiny GPT with dropout, fixed per-rank batches, AdamW, determi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +31,17 @@ def batches(rank: int, n: int, seed: int = 1) -> list[torch.Tensor]:
     return [torch.randint(TINY["vocab_size"], (4, TINY["seq_len"] + 1), generator=gen) for _ in range(n)]
 
 
+@dataclass
+class Boxed:
+    """A batch of the user's own type (not a tensor, dict, list or tuple)."""
+
+    tokens: torch.Tensor
+
+
+def _unbox(batch: Any) -> torch.Tensor:
+    return batch.tokens if isinstance(batch, Boxed) else batch
+
+
 def train(
     steps: int,
     config: SDCConfig | None,
@@ -40,19 +52,23 @@ def train(
     faulty_every_k: int = 0,
     faulty_bit_class: str = "exponent",
     seed: int = 0,
+    boxed: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[StepOutcome], SDCMonitor | None]:
-    """Train ``steps`` steps; returns final weights, per-step outcomes (with verification) and the monitor."""
+    """Train ``steps`` steps; returns final weights, per-step outcomes (with verification) and the monitor.
+    ``boxed``: every batch is a :class:`Boxed` (a type of the user's own)."""
     torch.use_deterministic_algorithms(True)
     model, opt = make_model(seed)
     wrapped: Any = DistributedDataParallel(model) if ddp else model
-    data = batches(rank, steps)
+    data: list[Any] = [Boxed(b) for b in batches(rank, steps)] if boxed else batches(rank, steps)
     torch.manual_seed(100 + rank)  # dropout streams differ per rank
     monitor = None
     if config is not None:
         monitor = SDCMonitor(list(model.named_parameters()), [opt], config)
         monitor.setup()
         monitor.attach(
-            model.compute_loss, ddp=wrapped if ddp else None, synced_loss_fn=_synced(wrapped) if ddp else None
+            lambda b: model.compute_loss(_unbox(b)),
+            ddp=wrapped if ddp else None,
+            synced_loss_fn=_synced(wrapped) if ddp else None,
         )
     injector = BitFlipInjector(model, [opt], rank=rank)
     if faulty_every_k:
@@ -63,7 +79,7 @@ def train(
         injector.on_step(step, [s for s in plan if s.location in ("grad", "activation", "param", "optim")])
         if monitor is not None:
             monitor.begin_step(step, batch)
-        loss = _synced(wrapped)(batch) if ddp else model.compute_loss(batch)
+        loss = _synced(wrapped)(batch) if ddp else model.compute_loss(_unbox(batch))
         if monitor is not None:
             monitor.observe_loss(loss)
         loss.backward()
@@ -78,8 +94,9 @@ def train(
 
 
 def _synced(wrapped: Any) -> Any:
-    def loss_fn(batch: torch.Tensor) -> torch.Tensor:
+    def loss_fn(batch: Any) -> torch.Tensor:
         # the DDP wrapper's forward runs TinyGPT.forward; the loss mirrors TinyGPT.compute_loss
+        batch = _unbox(batch)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         logits = wrapped(inputs)
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

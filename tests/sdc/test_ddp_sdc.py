@@ -133,13 +133,13 @@ def test_faulty_device_on_two_ranks_is_inconclusive_and_blames_nobody(tmp_path: 
 ROTATE = dict(replay_every_n_steps=2, reconcile_every_n_steps=0, replay_scope="rotate", ddp_fingerprint=False)
 
 
-def _rotating(rank: int, faulty_rank: int | None) -> dict[str, Any]:
+def _rotating(rank: int, faulty_rank: int | None, boxed: bool = False) -> dict[str, Any]:
     """Replay rounds of one batch by turns, no communication hook: a device that flips a low mantissa bit of every
     gradient it computes (no guard sees it) is met as the owner of the batch or as its partner."""
     with _ops_counted() as ops:
         _, _, monitor = train(
             STEPS, SDCConfig(**ROTATE), rank=rank, ddp=True, faulty_every_k=1 if rank == faulty_rank else 0,
-            faulty_bit_class="mantissa_low",
+            faulty_bit_class="mantissa_low", boxed=boxed,
         )  # fmt: skip
     assert monitor is not None and monitor._hook is None
     return {
@@ -162,13 +162,62 @@ def test_rotating_replay_meets_a_faulty_device_by_turns(tmp_path: Path) -> None:
     # one batch per round: its owner and its neighbour replay it (2 replays a round on 3 ranks, not 6)
     assert sum(r["replays"] for r in clean) == 2 * STEPS // 2
     # a clean round gathers nothing: the batch goes to its partner, each rank swaps its replays' digests with its
-    # neighbours, and one all-reduce says every pair agreed (what a rank sends does not grow with the number of ranks)
+    # neighbours, and two all-reduces of a flag (every batch can travel as tensors; every pair agreed) do the rest:
+    # what a rank sends does not grow with the number of ranks
     assert all(r["gathers"] == 1 for r in clean), [r["gathers"] for r in clean]  # 1: setup
-    assert all(r["neighbours"] == 2 * STEPS // 2 and r["agreed"] == STEPS // 2 for r in clean), clean
+    assert all(r["neighbours"] == 2 * STEPS // 2 and r["agreed"] == 2 * STEPS // 2 for r in clean), clean
     results = run_ranks(_rotating, world, tmp_path / "faulty", world - 1)
     [first, *_] = _summary(results)
     assert (first[1], first[2], first[3]) == ("persistent", "rollback", [2]), first
     assert first[0] <= 2 * world and all(r["dirty"] for r in results)
+
+
+def test_a_batch_of_the_users_own_type_goes_by_the_gather(tmp_path: Path) -> None:
+    """What a neighbour reads back is limited to tensors and built-in values (``torch.load(weights_only=True)``): with
+    a batch of the user's own type the ranks agree to take the round's gathers (torch's own unpickling), and it still
+    checks one batch by turns."""
+    results = run_ranks(_rotating, 3, tmp_path, None, True)
+    assert _summary(results) == [] and all(r["rounds"] == STEPS // 2 for r in results)
+    assert sum(r["replays"] for r in results) == 2 * STEPS // 2
+    assert all(r["gathers"] == 1 + 2 * STEPS // 2 and r["neighbours"] == 0 for r in results), results
+
+
+def _guard_fires_at_step_6(rank: int, kind: str) -> dict[str, Any]:
+    """A guard fires at step 6 (read a step late, so step 7 is replayed): a loss spike on rank 1 alone, or a
+    gradient-norm spike, which every rank sees (it is taken after the all-reduce). No scheduled replay."""
+    from lightning_resilience.sdc.guards import Guards
+
+    check = Guards.check
+
+    def fires(self: Guards, step: int, *args: Any) -> Any:
+        report = check(self, step, *args)
+        if step == 6 and (kind == "grad_norm_spike" or rank == 1):
+            report.fired.append(kind)
+        return report
+
+    Guards.check = fires  # type: ignore[method-assign]
+    config = SDCConfig(replay_every_n_steps=0, reconcile_every_n_steps=0, ddp_fingerprint=False)
+    with _ops_counted() as ops:
+        _, _, monitor = train(STEPS, config, rank=rank, ddp=True)
+    assert monitor is not None
+    return {
+        "events": [e.to_json() for e in monitor.events],
+        "rounds": monitor.stats.replay_rounds,
+        "replays": monitor.stats.replays,
+        "gathers": ops.get("sdc.gather", 0),
+    }
+
+
+@pytest.mark.parametrize(("kind", "replays"), [("loss_spike", [0, 1, 1]), ("grad_norm_spike", [2, 2, 2])])
+def test_a_ranks_own_guard_replays_its_batch_alone(tmp_path: Path, kind: str, replays: list[int]) -> None:
+    """A loss is one rank's own: its spike on rank 1 has rank 1 and its partner (rank 2) replay rank 1's batch, and
+    nobody else replays (a false alarm on one of N ranks costs two replays, not 2N). A gradient-norm spike speaks for
+    every rank: every batch is replayed, by its rank and its partner. Either way nothing is gathered (1: setup)."""
+    results = run_ranks(_guard_fires_at_step_6, 3, tmp_path, kind)
+    assert [r["replays"] for r in results] == replays, results
+    assert all(r["rounds"] == 1 and r["gathers"] == 1 for r in results), results
+    # the replay reproduced the step: not a faulty device, and no rank is named
+    assert _summary(results) == [(8, "anomaly", "none", [])]
 
 
 def _agreement_hangs_on_one_rank(rank: int) -> dict[str, Any]:
