@@ -168,8 +168,9 @@ class EttrLedger:
         self._wall_clock = wall_clock
         self.interval_s = interval_s
         self.attempts: list[AttemptRecord] = []
-        self._encoded: dict[int, str] = {}
-        """The JSON of attempts that have ended (they do not change once the next one has begun)."""
+        self._ended: str | None = None
+        """The JSON of the attempts that have ended, each followed by a comma (they do not change once the next one
+        has begun); None: not encoded yet."""
         self._last_write = -float("inf")
         self._load()
 
@@ -189,16 +190,10 @@ class EttrLedger:
     def save(self) -> None:
         """Write the ledger (atomically), as compact JSON: rank 0 writes it on its training thread at most every
         ``interval_s``, so an attempt that has ended is encoded once and only the current one at each write."""
-        last = len(self.attempts) - 1
-        parts = []
-        for i, record in enumerate(self.attempts):
-            text = self._encoded.get(i) if i < last else None
-            if text is None:
-                text = json.dumps({f.name: getattr(record, f.name) for f in fields(record)}, **_COMPACT)
-                if i < last:
-                    self._encoded[i] = text
-            parts.append(text)
-        atomic_write_text(self.path, f'{{"attempts":[{",".join(parts)}],"version":{_VERSION}}}')
+        if self._ended is None:
+            self._ended = "".join(f"{_encode(a)}," for a in self.attempts[:-1])
+        current = _encode(self.attempts[-1]) if self.attempts else ""
+        atomic_write_text(self.path, f'{{"attempts":[{self._ended}{current}],"version":{_VERSION}}}')
         self._last_write = self._wall_clock()
 
     @property
@@ -220,7 +215,7 @@ class EttrLedger:
         ``process_started_at`` and ``script_ready_at``: when this process started and had built its callbacks."""
         now = self._wall_clock()
         notes = read_fault_notes(self.run_dir, before=now, remove=True)
-        self._encoded.clear()  # the previous attempt is closed below
+        self._ended = None  # the previous attempt is closed below
         previous = self.current
         if previous is not None:
             previous.faults.extend(n.to_json() for n in notes)
@@ -334,6 +329,10 @@ class EttrLedger:
     # ------------------------------------------------------------------ reads
     def report(self) -> EttrReport:
         return account(self.attempts)
+
+
+def _encode(record: AttemptRecord) -> str:
+    return json.dumps({f.name: getattr(record, f.name) for f in fields(record)}, **_COMPACT)
 
 
 def _append_point(points: list[Any], point: list[Any]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -73,8 +73,7 @@ class ReplayRound:
         neighbours = partner and original is None and self.m._hook is None
         # only ranks' own guards (a loss) fired: their batches are checked, which each of them and its partner alone
         # know (the partner from the batch it receives), so a false alarm on one of N ranks costs two replays, not N
-        own = neighbours and guard_fired and self.m.reader.lag > 0 and not self.m._job_guard
-        own = own and not self.m._restore_check
+        own = neighbours and guard_fired and self.m.reader.lag > 0 and not (self.m._job_guard or self.m._restore_check)
         every = self._checked(scheduled=not guard_fired and not self.m._restore_check)
         checked = ([rank] if self.m._fired else []) if own else every
         if neighbours and self.m._any(not _plain((self.m._batch, self.m._rng))):  # other types: the gather's pickle
@@ -83,8 +82,9 @@ class ReplayRound:
         mine_in = None
         if partner and rank in checked:  # the batches travel on the host (one read of this rank's batch, on a replay)
             mine_in = (map_tensors(self.m._batch, lambda t: t.detach().cpu()), self.m._rng)
+        inputs: list[Any]
         if neighbours:
-            inputs: list[object] = [None] * world
+            inputs = [None] * world
             prev = (rank - 1) % world
             inputs[prev] = self._neighbours(mine_in, both=False).get(prev)
             if own and inputs[prev] is not None:
@@ -101,32 +101,20 @@ class ReplayRound:
                 raw[b].append(None)
         own_grads: list[tuple[torch.Tensor, list[torch.Tensor | None]]] = []
         plan = {b: [b] + ([(b + 1) % world] if partner else []) for b in checked}
+        mine = self._replay(plan, inputs, groups, own_grads)
+        if neighbours:  # every rank takes part in the pairs' check, with or without replays of its own
+            if not self.m._any(not self._pairs_agree(mine, checked, groups)):
+                clean = {b: Ballot(decided=True, majority=[0, 1]) for b in checked}
+                self._conclude_replay(out, guard_fired, opinions, clean, raw, own_grads)
+                return
+            # a pair disagrees: every rank takes part in the vote from here, with every batch (a rare round)
+            inputs = [x for x, _ in self.m._gather((mine_in, None))]
+            if own:  # the batches checked, now known everywhere: those that travelled
+                checked = [b for b, x in enumerate(inputs) if x is not None]
+                opinions, raw = {b: [] for b in checked}, {b: [] for b in checked}
+            inputs[rank] = (self.m._batch, self.m._rng)
         ballots: dict[int, Ballot] = {}
-        while plan or neighbours:  # a neighbour round: every rank takes part in its check, with or without replays
-            mine: dict[int, torch.Tensor] = {}
-            for b, devices in plan.items():
-                if rank not in devices:
-                    continue
-                batch, rng = cast(tuple[Any, Any], inputs[b])
-                if b != rank:
-                    batch = map_tensors(batch, self.m._to_device)
-                digests, grads = self.m._replayer.replay(batch, rng)
-                self.m.stats.replays += 1
-                mine[b] = digests
-                if b == rank:
-                    own_grads.append((group_rows(self.m.digest, digests, groups), grads))
-            if neighbours:
-                neighbours = False
-                if not self.m._any(not self._pairs_agree(mine, checked, groups)):
-                    clean = {b: Ballot(decided=True, majority=[0, 1]) for b in checked}
-                    self._conclude_replay(out, guard_fired, opinions, clean, raw, own_grads)
-                    return
-                # a pair disagrees: every rank takes part in the vote from here, with every batch (a rare round)
-                inputs = [x for x, _ in self.m._gather((mine_in, None))]
-                if own:  # the batches checked, now known everywhere: those that travelled
-                    checked = [b for b, x in enumerate(inputs) if x is not None]
-                    opinions, raw = {b: [] for b in checked}, {b: [] for b in checked}
-                inputs[rank] = (self.m._batch, self.m._rng)
+        while True:
             for device, results in enumerate(self.m._gather(mine)):
                 for b, digests in results.items():
                     raw[b].append(digests)
@@ -137,7 +125,34 @@ class ReplayRound:
                 if ballots[b].decided or len(opinions[b]) >= cfg.max_opinions:
                     continue
                 plan[b] = [next_device(b, opinions[b], world, others=partner)]
+            if not plan:
+                break
+            mine = self._replay(plan, inputs, groups, own_grads)
         self._conclude_replay(out, guard_fired, opinions, ballots, raw, own_grads)
+
+    def _replay(
+        self,
+        plan: dict[int, list[int]],
+        inputs: list[Any],
+        groups: list[list[int]],
+        own_grads: list[tuple[torch.Tensor, list[torch.Tensor | None]]],
+    ) -> dict[int, torch.Tensor]:
+        """Replay the batches ``plan`` gives this rank; their digests by batch (its own batch's gradients are kept
+        in ``own_grads`` for a recompute)."""
+        assert self.m._replayer is not None
+        mine: dict[int, torch.Tensor] = {}
+        for b, devices in plan.items():
+            if self.m.rank not in devices:
+                continue
+            batch, rng = inputs[b]
+            if b != self.m.rank:
+                batch = map_tensors(batch, self.m._to_device)
+            digests, grads = self.m._replayer.replay(batch, rng)
+            self.m.stats.replays += 1
+            mine[b] = digests
+            if b == self.m.rank:
+                own_grads.append((group_rows(self.m.digest, digests, groups), grads))
+        return mine
 
     def _neighbours(self, obj: object, *, both: bool) -> dict[int, Any]:
         """Send ``obj`` to the next rank in the ring (and the previous one with ``both``); returns what came from the
