@@ -17,7 +17,6 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,34 +29,15 @@ from lightning_resilience.sdc.guards import GuardReader, GuardReport, Guards, gr
 from lightning_resilience.sdc.late_guards import PARAM_GUARDS, LateGuards, count_fired
 from lightning_resilience.sdc.localize import Ballot
 from lightning_resilience.sdc.reconcile import ReplicaReconciler
-from lightning_resilience.sdc.replay import (
-    BucketFingerprintHook,
-    GradientReplayer,
-    RngState,
-    capture_rng,
-)
-from lightning_resilience.sdc.rounds import ReplayRound
+from lightning_resilience.sdc.replay import BucketFingerprintHook, GradientReplayer, RngState, capture_rng
+from lightning_resilience.sdc.rounds import ReplayRound, RoundStep
 from lightning_resilience.sdc.stats import SDCStats
-from lightning_resilience.sdc.verdict import Diagnosis, SDCEvent
+from lightning_resilience.sdc.verdict import Diagnosis, SDCEvent, StepOutcome
 from lightning_resilience.step.driver import Field
 
 __all__ = ["SDCMonitor", "SDCStats", "StepOutcome"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepOutcome:
-    """What the checks of one step concluded."""
-
-    step: int
-    events: list[SDCEvent] = field(default_factory=list)
-    checked: bool = False
-    """At least one check (replay or reconciliation) ran."""
-    needs_rollback: bool = False
-    suspects: list[int] = field(default_factory=list)
-    bad_step: int | None = None
-    """For a late non-finite guard: the earliest step whose update was non-finite (agreed by every rank)."""
 
 
 class SDCMonitor:
@@ -147,7 +127,7 @@ class SDCMonitor:
         self._group = side or SideGroup("sdc", self.config.timeout, parent=group)
         self.rank, self.world_size = self._group.rank, self._group.world_size
         if self.world_size > 1:
-            self.hosts = self._gather(socket.gethostname())
+            self.hosts = self.gather(socket.gethostname())
 
     def attach(
         self,
@@ -235,9 +215,7 @@ class SDCMonitor:
                 f"non-finite loss or gradients at step {steps or '(another rank)'}, read {self.reader.lag} step(s) "
                 "late: the update is applied; roll back to a verified step"
             )
-            self._record(
-                StepOutcome(step), SDCEvent(step, "guard:nonfinite", Diagnosis.ANOMALY, [], "rollback", detail)
-            )
+            self.record(StepOutcome(step), SDCEvent(step, "guard:nonfinite", Diagnosis.ANOMALY, [], "rollback", detail))
             self._step_ok, self.dirty = False, True
             verified = self.rollback_target(self._committed()) if self._committed is not None else None
             verdicts.append(Verdict(Event.NONFINITE, step, self.rank, detail, "sdc", verified, found.nonfinite_step))
@@ -274,7 +252,7 @@ class SDCMonitor:
             if len(fired) < len(report.fired):
                 self._force_reconcile = True
             self._fired = [report] if fired else []
-            self._guard_triggered = self._any(bool(fired))
+            self._guard_triggered = self.any_rank(bool(fired))
             count_fired(self.stats.guard_fired, report)
             self.stats.guard_seconds += self._clock() - start
         if self._hook is not None:
@@ -295,7 +273,7 @@ class SDCMonitor:
         for verdict in self._unagreed:  # without a step driver, a late non-finite update is this step's outcome
             if verdict.event is Event.NONFINITE:
                 out.events.append(self.events[-1])
-                self._fail(out, [])
+                self.fail(out, [])
                 out.bad_step = verdict.bad_step
         return out
 
@@ -306,18 +284,18 @@ class SDCMonitor:
             force = self._force_reconcile  # agreed at the start of the step
         else:  # only a parameter-norm check (at its cadence) can ask for this: no agreement on the other steps
             param_checked = self.config.guards and self._due(self.config.param_norm_every_n_steps)
-            force = self._any(self._force_reconcile) if param_checked else False
+            force = self.any_rank(self._force_reconcile) if param_checked else False
         self._force_reconcile = False
         if force and self.world_size == 1:
             detail = "parameter norm jumped; one replica cannot be reconciled (a replay does not cover stored state)"
-            self._record(out, SDCEvent(out.step, "guard:param_norm_jump", Diagnosis.ANOMALY, detail=detail))
+            self.record(out, SDCEvent(out.step, "guard:param_norm_jump", Diagnosis.ANOMALY, detail=detail))
         elif self.world_size > 1 and not self.dirty and (force or self._due(self.config.reconcile_every_n_steps)):
             start = self._clock()
-            ballot, differing = self.reconciler.reconcile(self._gather, self._all_same)
+            ballot, differing = self.reconciler.reconcile(self.gather, self.all_same)
             self.stats.reconcile_rounds += 1
             self._step_checked = True
             if ballot.dissent or not ballot.decided:
-                self._diverged(out, ballot, differing)
+                self.diverged(out, ballot, differing)
             self.stats.reconcile_seconds += self._clock() - start
         if (
             self.reader.lag == 0
@@ -332,10 +310,36 @@ class SDCMonitor:
         return out
 
     def _replay_round(self, out: StepOutcome, guard_fired: bool) -> None:
-        ReplayRound(self).run(out, guard_fired)
+        assert self._rng is not None
+        self._step_checked = True
+        scheduled = not guard_fired and not self._restore_check
+        at = RoundStep(self._step, self._batch, self._rng, guard_fired, self._fired, self._guard_report,
+                       self._job_guard, self._restore_check, self._scheduled_rounds)  # fmt: skip
+        self._scheduled_rounds += scheduled  # the same on every rank: rounds are collective
+        ReplayRound(self, at).run(out)
+
+    # ------------------------------------------------------- what a replay round reads (RoundHost)
+    @property
+    def replayer(self) -> GradientReplayer:
+        assert self._replayer is not None, "SDCMonitor.attach() must be called before the first step"
+        return self._replayer
+
+    @property
+    def hook(self) -> BucketFingerprintHook | None:
+        return self._hook
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._to_device(tensor)
+
+    def synced_loss(self, batch: Any) -> torch.Tensor:
+        assert self._synced_loss_fn is not None, "a synchronised recompute needs attach(..., ddp=...)"
+        return self._synced_loss_fn(batch)
+
+    def exchange(self, payload: bytes, send_to: list[int], recv_from: list[int]) -> list[bytes | None]:
+        return self._group.exchange(payload, send_to=send_to, recv_from=recv_from, op="sdc.neighbours", step=self._step)
 
     # ------------------------------------------------------------- decisions
-    def _record(self, out: StepOutcome, event: SDCEvent) -> None:
+    def record(self, out: StepOutcome, event: SDCEvent) -> None:
         out.events.append(event)
         self.events.append(event)
         if event.verdict not in (Diagnosis.CLEAN, Diagnosis.ANOMALY):
@@ -346,16 +350,16 @@ class SDCMonitor:
                         event.mechanism, event.suspects, event.action, event.detail)  # fmt: skip
         out.suspects = sorted({*out.suspects, *event.suspects})
 
-    def _diverged(self, out: StepOutcome, ballot: Ballot, differing: list[str]) -> None:
+    def diverged(self, out: StepOutcome, ballot: Ballot, differing: list[str]) -> None:
         detail = f"replicas differ in {differing[:4]}"
         verdict = Diagnosis.DIVERGED
         if not ballot.decided:
             verdict = Diagnosis.INCONCLUSIVE
             detail += "; no strict majority of three or more equal replicas: no rank is named"
-        self._record(out, SDCEvent(out.step, "reconcile", verdict, ballot.suspects, "rollback", detail))
-        self._fail(out, ballot.suspects)
+        self.record(out, SDCEvent(out.step, "reconcile", verdict, ballot.suspects, "rollback", detail))
+        self.fail(out, ballot.suspects)
 
-    def _fail(self, out: StepOutcome, suspects: list[int]) -> None:
+    def fail(self, out: StepOutcome, suspects: list[int]) -> None:
         out.needs_rollback = True
         out.suspects = sorted({*out.suspects, *suspects})
         self._step_ok = False
@@ -364,7 +368,7 @@ class SDCMonitor:
     def rollback_target(self, committed: Iterable[int]) -> int | None:
         """Collective: the newest step that every rank has committed and verified clean (None: none)."""
         local = sorted(s for s in set(committed) if s in self.verified_steps)
-        common = set.intersection(*(set(g) for g in self._gather(local)))
+        common = set.intersection(*(set(g) for g in self.gather(local)))
         self.stats.rollbacks += 1
         return max(common) if common else None
 
@@ -377,17 +381,18 @@ class SDCMonitor:
         return {"verification": state or "unverified", "sdc_verified": verified}
 
     # ------------------------------------------------------------ collectives
-    def _gather(self, obj: Any) -> list[Any]:
+    def gather(self, obj: Any) -> list[Any]:
         if self.world_size == 1:
             return [obj]
         return self._group.all_gather_object(obj, op="sdc.gather", step=self._step, any_type=True)
 
-    def _all_same(self, key: int) -> bool:
+    def all_same(self, key: int) -> bool:
         """Whether every rank holds ``key`` (>= 0): one all-reduce of two integers, the same at any number of ranks."""
         high, neg_low = self._group.reduce_max_each([key, -key], op="sdc.reconcile", step=self._step)
         return high == -neg_low
 
-    def _any(self, flag: bool) -> bool:
+    def any_rank(self, flag: bool) -> bool:
+        """Whether any rank raised ``flag`` (collective)."""
         return self._any_of(flag)[0]
 
     def _any_of(self, *flags: bool) -> tuple[bool, ...]:

@@ -3,16 +3,18 @@ its partner, replay (self and partner), vote per batch, conclude, and recompute 
 the ranks have no original digests (no communication hook) a round's pairs vote with their neighbours and one
 all-reduce ends a clean round; a disagreement, or original digests, take every rank into one vote by gathers.
 
-The monitor owns the state a round reads (config, parameters, the replayer, the fingerprint hook, the guard reports
-that triggered the round) and the decisions it records (``_record``, ``_fail``, ``_diverged``, the gathers on the
-side group).
+The seam with the monitor is two objects: :class:`RoundStep`, the step a round checks and why (handed over at the
+round's start, never written back), and :class:`RoundHost`, what a round reads of the rank (its replicas, the
+replayer, the fingerprint hook, the guards) and the agreements and records it goes through.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -20,68 +22,161 @@ from lightning_resilience.sdc.config import ReplayScope
 from lightning_resilience.sdc.fingerprint import group_rows
 from lightning_resilience.sdc.localize import Ballot, Opinion, next_device, vote
 from lightning_resilience.sdc.replay import map_tensors, rng_as
-from lightning_resilience.sdc.verdict import Diagnosis, SDCEvent
+from lightning_resilience.sdc.verdict import Diagnosis, SDCEvent, StepOutcome
 
 if TYPE_CHECKING:
-    from lightning_resilience.sdc.monitor import SDCMonitor, StepOutcome
+    from lightning_resilience.sdc.config import SDCConfig
+    from lightning_resilience.sdc.fingerprint import Digest
+    from lightning_resilience.sdc.guards import GuardReader, GuardReport, Guards
+    from lightning_resilience.sdc.reconcile import ReplicaReconciler
+    from lightning_resilience.sdc.replay import BucketFingerprintHook, GradientReplayer, RngState
+    from lightning_resilience.sdc.stats import SDCStats
 
-__all__ = ["ReplayRound"]
+__all__ = ["ReplayRound", "RoundHost", "RoundStep"]
 
 _INCONCLUSIVE = "inconclusive: no majority of three devices, no replay that reproduces a reference; no rank named"
 _REPRODUCES = "a device reproduces a wrong result (what it contributed to the step is suspect)"
 
 
+@dataclass(frozen=True)
+class RoundStep:
+    """The step a replay round checks, and why: the same fields on every rank except the batch, its RNG state and
+    this rank's own guard reports."""
+
+    step: int
+    """Optimizer steps done when the step began."""
+    batch: Any
+    rng: RngState
+    guard_fired: bool
+    """A guard (on some rank) asked for the round."""
+    fired: Sequence[GuardReport] = ()
+    """This rank's guard reports that asked for it (empty: its guards did not fire)."""
+    guard_report: GuardReport | None = None
+    """This rank's guard values of the step (accepted into the baselines when the round finds them genuine)."""
+    job_guard: bool = False
+    """A guard that is not one rank's own fired (every batch is checked)."""
+    restore_check: bool = False
+    """The first step after a restore."""
+    rotation: int = 0
+    """Scheduled rounds before this one: whose batch a rotating round checks."""
+
+
+class RoundHost(Protocol):
+    """What a replay round needs of its rank (an :class:`~lightning_resilience.sdc.monitor.SDCMonitor`)."""
+
+    @property
+    def config(self) -> SDCConfig: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def params(self) -> list[torch.nn.Parameter]: ...
+    @property
+    def digest(self) -> Digest: ...
+    @property
+    def stats(self) -> SDCStats: ...
+    @property
+    def guards(self) -> Guards: ...
+    @property
+    def reader(self) -> GuardReader: ...
+    @property
+    def reconciler(self) -> ReplicaReconciler: ...
+
+    @property
+    def replayer(self) -> GradientReplayer:
+        """Replays a batch without gradient synchronisation."""
+        ...
+
+    @property
+    def hook(self) -> BucketFingerprintHook | None:
+        """The fingerprinting communication hook (original digests of the buckets), if any."""
+        ...
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def synced_loss(self, batch: Any) -> torch.Tensor:
+        """The step's forward through the data-parallel wrapper (a recompute synchronises its gradients)."""
+        ...
+
+    def any_rank(self, flag: bool) -> bool:
+        """Collective: whether any rank raised ``flag``."""
+        ...
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Collective: every rank's ``obj``, in rank order."""
+        ...
+
+    def all_same(self, key: int) -> bool:
+        """Collective: whether every rank holds ``key``."""
+        ...
+
+    def exchange(self, payload: bytes, send_to: list[int], recv_from: list[int]) -> list[bytes | None]:
+        """Send ``payload`` to ``send_to``; one payload from each of ``recv_from``."""
+        ...
+
+    def record(self, out: StepOutcome, event: SDCEvent) -> None: ...
+
+    def fail(self, out: StepOutcome, suspects: list[int]) -> None:
+        """The step is corrupt and not fixed: roll back."""
+        ...
+
+    def diverged(self, out: StepOutcome, ballot: Ballot, differing: list[str]) -> None:
+        """The replicas' state differs (a reconciliation's ballot)."""
+        ...
+
+
 class ReplayRound:
-    """One replay round of a monitor's current step (a new one per round).
+    """One replay round (a new one per round).
 
     Args:
-        monitor: the monitor whose step is replayed; the round reads its state and records through it.
+        host: the rank whose step is replayed; the round reads its replicas and records through it.
+        at: the step checked, and why.
     """
 
-    def __init__(self, monitor: SDCMonitor) -> None:
-        self.m = monitor
+    def __init__(self, host: RoundHost, at: RoundStep) -> None:
+        self.host, self.at = host, at
 
     def _originals(self) -> tuple[torch.Tensor | None, list[list[int]]]:
-        assert self.m._replayer is not None
-        groups = [[i] for i in range(len(self.m.params))]
-        if self.m._hook is not None and self.m._hook.digests:
-            return self.m._hook.collected(), groups
-        if self.m.world_size > 1:  # the gradients on the parameters are averaged already: nothing local to compare
+        groups = [[i] for i in range(len(self.host.params))]
+        if self.host.hook is not None and self.host.hook.digests:
+            return self.host.hook.collected(), groups
+        if self.host.world_size > 1:  # the gradients on the parameters are averaged already: nothing local to compare
             return None, groups
-        return self.m._replayer.local_digests(), groups
+        return self.host.replayer.local_digests(), groups
 
     def _checked(self, scheduled: bool) -> list[int]:
         """The batches (by rank) this round checks: one by turns for a scheduled round with ``replay_scope=rotate``,
         else every rank's. The same on every rank (rounds are collective, counted alike)."""
-        world = self.m.world_size
-        if not scheduled or world == 1 or self.m.config.replay_scope != ReplayScope.rotate:
+        world = self.host.world_size
+        if not scheduled or world == 1 or self.host.config.replay_scope != ReplayScope.rotate:
             return list(range(world))
-        turn = self.m._scheduled_rounds % world
-        self.m._scheduled_rounds += 1
-        return [turn]
+        return [self.at.rotation % world]
 
-    def run(self, out: StepOutcome, guard_fired: bool) -> None:
+    def run(self, out: StepOutcome) -> None:
         """Replay the step (and with partner replay a neighbour's), vote per batch, record and act."""
-        assert self.m._replayer is not None and self.m._rng is not None
-        cfg, world, rank = self.m.config, self.m.world_size, self.m.rank
-        self.m.stats.replay_rounds += 1
-        self.m._step_checked = True
+        cfg, world, rank, guard_fired = self.host.config, self.host.world_size, self.host.rank, self.at.guard_fired
+        self.host.stats.replay_rounds += 1
         original, groups = self._originals()
         partner = world > 1 and cfg.partner_replay
         # with nothing of its own to compare (no hook), a batch goes to its partner alone, and a round whose pairs
         # agree ends with one all-reduce: a clean round costs a rank the same at 2 ranks and at 10,000
-        neighbours = partner and original is None and self.m._hook is None
+        neighbours = partner and original is None and self.host.hook is None
         # only ranks' own guards (a loss) fired: their batches are checked, which each of them and its partner alone
         # know (the partner from the batch it receives), so a false alarm on one of N ranks costs two replays, not N
-        own = neighbours and guard_fired and self.m.reader.lag > 0 and not (self.m._job_guard or self.m._restore_check)
-        every = self._checked(scheduled=not guard_fired and not self.m._restore_check)
-        checked = ([rank] if self.m._fired else []) if own else every
-        if neighbours and self.m._any(not _plain((self.m._batch, self.m._rng))):  # other types: the gather's pickle
+        own = (
+            neighbours and guard_fired and self.host.reader.lag > 0 and not (self.at.job_guard or self.at.restore_check)
+        )
+        every = self._checked(scheduled=not guard_fired and not self.at.restore_check)
+        checked = ([rank] if self.at.fired else []) if own else every
+        if neighbours and self.host.any_rank(
+            not _plain((self.at.batch, self.at.rng))
+        ):  # other types: the gather's pickle
             neighbours = own = False
             checked = every
         mine_in = None
         if partner and rank in checked:  # the batches travel on the host (one read of this rank's batch, on a replay)
-            mine_in = (map_tensors(self.m._batch, lambda t: t.detach().cpu()), self.m._rng)
+            mine_in = (map_tensors(self.at.batch, lambda t: t.detach().cpu()), self.at.rng)
         inputs: list[Any]
         if neighbours:
             inputs = [None] * world
@@ -91,8 +186,8 @@ class ReplayRound:
                 checked = sorted({*checked, prev})
             originals: list[torch.Tensor | None] = [None] * world
         else:  # one gather carries both what a partner replays and each rank's own digests (None where it has none)
-            inputs, originals = (list(column) for column in zip(*self.m._gather((mine_in, original))))
-        inputs[rank] = (self.m._batch, self.m._rng)
+            inputs, originals = (list(column) for column in zip(*self.host.gather((mine_in, original))))
+        inputs[rank] = (self.at.batch, self.at.rng)
         opinions: dict[int, list[Opinion]] = {b: [] for b in checked}
         raw: dict[int, list[torch.Tensor | None]] = {b: [] for b in checked}  # per-parameter digests
         for b, o in enumerate(originals):
@@ -103,32 +198,32 @@ class ReplayRound:
         plan = {b: [b] + ([(b + 1) % world] if partner else []) for b in checked}
         mine = self._replay(plan, inputs, groups, own_grads)
         if neighbours:  # every rank takes part in the pairs' check, with or without replays of its own
-            if not self.m._any(not self._pairs_agree(mine, checked, groups)):
+            if not self.host.any_rank(not self._pairs_agree(mine, checked, groups)):
                 clean = {b: Ballot(decided=True, majority=[0, 1]) for b in checked}
-                self._conclude_replay(out, guard_fired, opinions, clean, raw, own_grads)
+                self._conclude_replay(out, opinions, clean, raw, own_grads)
                 return
             # a pair disagrees: every rank takes part in the vote from here, with every batch (a rare round)
-            inputs = [x for x, _ in self.m._gather((mine_in, None))]
+            inputs = [x for x, _ in self.host.gather((mine_in, None))]
             if own:  # the batches checked, now known everywhere: those that travelled
                 checked = [b for b, x in enumerate(inputs) if x is not None]
                 opinions, raw = {b: [] for b in checked}, {b: [] for b in checked}
-            inputs[rank] = (self.m._batch, self.m._rng)
+            inputs[rank] = (self.at.batch, self.at.rng)
         ballots: dict[int, Ballot] = {}
         while True:
-            for device, results in enumerate(self.m._gather(mine)):
+            for device, results in enumerate(self.host.gather(mine)):
                 for b, digests in results.items():
                     raw[b].append(digests)
-                    opinions[b].append(Opinion(device, "replay", group_rows(self.m.digest, digests, groups)))
+                    opinions[b].append(Opinion(device, "replay", group_rows(self.host.digest, digests, groups)))
             plan = {}
             for b in checked:
-                ballots[b] = vote(opinions[b], self.m.digest.equal)
+                ballots[b] = vote(opinions[b], self.host.digest.equal)
                 if ballots[b].decided or len(opinions[b]) >= cfg.max_opinions:
                     continue
                 plan[b] = [next_device(b, opinions[b], world, others=partner)]
             if not plan:
                 break
             mine = self._replay(plan, inputs, groups, own_grads)
-        self._conclude_replay(out, guard_fired, opinions, ballots, raw, own_grads)
+        self._conclude_replay(out, opinions, ballots, raw, own_grads)
 
     def _replay(
         self,
@@ -139,30 +234,27 @@ class ReplayRound:
     ) -> dict[int, torch.Tensor]:
         """Replay the batches ``plan`` gives this rank; their digests by batch (its own batch's gradients are kept
         in ``own_grads`` for a recompute)."""
-        assert self.m._replayer is not None
         mine: dict[int, torch.Tensor] = {}
         for b, devices in plan.items():
-            if self.m.rank not in devices:
+            if self.host.rank not in devices:
                 continue
             batch, rng = inputs[b]
-            if b != self.m.rank:
-                batch = map_tensors(batch, self.m._to_device)
-            digests, grads = self.m._replayer.replay(batch, rng)
-            self.m.stats.replays += 1
+            if b != self.host.rank:
+                batch = map_tensors(batch, self.host.to_device)
+            digests, grads = self.host.replayer.replay(batch, rng)
+            self.host.stats.replays += 1
             mine[b] = digests
-            if b == self.m.rank:
-                own_grads.append((group_rows(self.m.digest, digests, groups), grads))
+            if b == self.host.rank:
+                own_grads.append((group_rows(self.host.digest, digests, groups), grads))
         return mine
 
     def _neighbours(self, obj: object, *, both: bool) -> dict[int, Any]:
         """Send ``obj`` to the next rank in the ring (and the previous one with ``both``); returns what came from the
         previous rank (and the next one), by rank. The neighbours are one rank at 2 ranks."""
-        world, rank = self.m.world_size, self.m.rank
+        world, rank = self.host.world_size, self.host.rank
         nxt, prev = (rank + 1) % world, (rank - 1) % world
         send_to, recv_from = ([nxt, prev], [prev, nxt]) if both and nxt != prev else ([nxt], [prev])
-        got = self.m._group.exchange(
-            _dumps(obj), send_to=send_to, recv_from=recv_from, op="sdc.neighbours", step=self.m._step
-        )
+        got = self.host.exchange(_dumps(obj), send_to, recv_from)
         # a rank of this job, as in any_type gathers
         return {src: _loads(data) for src, data in zip(recv_from, got) if data is not None}
 
@@ -170,7 +262,7 @@ class ReplayRound:
         """Whether the batches this rank replayed agree with their other replay, from one exchange of every replay
         with both neighbours: a rank's own batch against the next rank's replay of it, the previous rank's batch
         against that rank's own replay."""
-        rank, world = self.m.rank, self.m.world_size
+        rank, world = self.host.rank, self.host.world_size
         nxt, prev = (rank + 1) % world, (rank - 1) % world
         got = self._neighbours(mine, both=True)
         theirs = {rank: got.get(nxt, {}).get(rank), prev: got.get(prev, {}).get(prev)}
@@ -180,30 +272,30 @@ class ReplayRound:
             here, there = mine.get(b), theirs.get(b)
             if here is None or there is None:
                 return False
-            rows = group_rows(self.m.digest, here, groups), group_rows(self.m.digest, there, groups)
-            if not self.m.digest.equal(*rows):
+            rows = group_rows(self.host.digest, here, groups), group_rows(self.host.digest, there, groups)
+            if not self.host.digest.equal(*rows):
                 return False
         return True
 
     def _conclude_replay(
         self,
         out: StepOutcome,
-        guard_fired: bool,
         opinions: dict[int, list[Opinion]],
         ballots: dict[int, Ballot],
         raw: dict[int, list[torch.Tensor | None]],
         own_grads: list[tuple[torch.Tensor, list[torch.Tensor | None]]],
     ) -> None:
-        if self.m.world_size > 1 and any(b.verdict is not Diagnosis.CLEAN for b in ballots.values()):
+        if self.host.world_size > 1 and any(b.verdict is not Diagnosis.CLEAN for b in ballots.values()):
             # a replay on another rank proves something only if the replicas are identical: check that first
-            ballot, differing = self.m.reconciler.reconcile(self.m._gather, self.m._all_same)
-            self.m.stats.reconcile_rounds += 1
+            ballot, differing = self.host.reconciler.reconcile(self.host.gather, self.host.all_same)
+            self.host.stats.reconcile_rounds += 1
             if ballot.dissent or not ballot.decided:
-                self.m._diverged(out, ballot, differing)
+                self.host.diverged(out, ballot, differing)
                 return
-        fired = [f"{f}@{r.step + 1}" for r in self.m._fired for f in r.fired] if guard_fired else []
+        guard_fired = self.at.guard_fired
+        fired = [f"{f}@{r.step + 1}" for r in self.at.fired for f in r.fired] if guard_fired else []
         mechanism = "replay" + (f" (guard: {','.join(fired)})" if fired else "")
-        mechanism += " (first step after a restore)" if self.m._restore_check else ""
+        mechanism += " (first step after a restore)" if self.at.restore_check else ""
         corrupt_original: list[int] = []
         unfixable: list[int] = []
         for b, ballot in ballots.items():
@@ -225,24 +317,26 @@ class ReplayRound:
                 unfixable.append(b)
                 action = "rollback"
                 detail = f"rank {b}'s batch: " + (_INCONCLUSIVE if not ballot.decided else _REPRODUCES)
-            self.m._record(out, SDCEvent(out.step, mechanism, ballot.verdict, ballot.suspects, action, detail))
+            self.host.record(out, SDCEvent(out.step, mechanism, ballot.verdict, ballot.suspects, action, detail))
         if guard_fired and not out.events:
-            if self.m.reader.lag > 0:
+            if self.host.reader.lag > 0:
                 detail = "a guard fired at an earlier step; the replay of this step reproduced it: no faulty device"
             else:
                 detail = "the replay reproduced the step: not a hardware fault"
-            self.m._record(out, SDCEvent(out.step, mechanism, Diagnosis.ANOMALY, [], "none", detail))
+            self.host.record(out, SDCEvent(out.step, mechanism, Diagnosis.ANOMALY, [], "none", detail))
         if unfixable:
-            self.m._fail(out, sorted({s for b in unfixable for s in ballots[b].suspects}))
+            self.host.fail(out, sorted({s for b in unfixable for s in ballots[b].suspects}))
             return
         if corrupt_original and not self._recompute(out, opinions, ballots, raw, own_grads):
-            self.m._fail(out, corrupt_original)
+            self.host.fail(out, corrupt_original)
             return
         if not corrupt_original:  # the values were genuine: the baselines follow them
-            for report in self.m._fired:
-                self.m.guards.accept(dataclasses.replace(report, param_norm=None) if self.m.reader.lag == 0 else report)
-            if self.m._guard_report is not None and not self.m._fired:
-                self.m.guards.accept(dataclasses.replace(self.m._guard_report, param_norm=None))
+            for report in self.at.fired:
+                self.host.guards.accept(
+                    dataclasses.replace(report, param_norm=None) if self.host.reader.lag == 0 else report
+                )
+            if self.at.guard_report is not None and not self.at.fired:
+                self.host.guards.accept(dataclasses.replace(self.at.guard_report, param_norm=None))
 
     def _recompute(
         self,
@@ -253,32 +347,30 @@ class ReplayRound:
         own_grads: list[tuple[torch.Tensor, list[torch.Tensor | None]]],
     ) -> bool:
         """Replace the corrupt gradients by correct ones; True if the result agrees with the vote everywhere."""
-        assert self.m._replayer is not None and self.m._rng is not None
-        if self.m._hook is None:  # one rank: install the replay gradients the vote agreed with
-            majority = opinions[self.m.rank][ballots[self.m.rank].majority[0]].digest
+        if self.host.hook is None:  # one rank: install the replay gradients the vote agreed with
+            majority = opinions[self.host.rank][ballots[self.host.rank].majority[0]].digest
             for digests, grads in own_grads:
-                if self.m.digest.equal(digests, majority):
-                    for p, g in zip(self.m.params, grads):
+                if self.host.digest.equal(digests, majority):
+                    for p, g in zip(self.host.params, grads):
                         p.grad = g
-                    self.m.stats.recomputed += 1
+                    self.host.stats.recomputed += 1
                     return True
             return False
         # DDP: every rank recomputes with synchronisation, so the all-reduce averages correct contributions
-        assert self.m._synced_loss_fn is not None
-        for p in self.m.params:
+        for p in self.host.params:
             p.grad = None
-        self.m._hook.reset()
-        with rng_as(self.m._rng), torch.enable_grad():
-            self.m._synced_loss_fn(self.m._batch).backward()
-        new, groups = self.m._hook.collected(), [[i] for i in range(len(self.m.params))]
+        self.host.hook.reset()
+        with rng_as(self.at.rng), torch.enable_grad():
+            self.host.synced_loss(self.at.batch).backward()
+        new, groups = self.host.hook.collected(), [[i] for i in range(len(self.host.params))]
         ok = True
-        for b, digest in enumerate(self.m._gather(new)):
+        for b, digest in enumerate(self.host.gather(new)):
             if b not in ballots:  # a batch this round did not check
                 continue
             agreed = [d for d in (raw[b][i] for i in ballots[b].majority) if d is not None]
-            ok = ok and bool(agreed) and self.m.digest.equal(group_rows(self.m.digest, agreed[0], groups), digest)
+            ok = ok and bool(agreed) and self.host.digest.equal(group_rows(self.host.digest, agreed[0], groups), digest)
         if ok:
-            self.m.stats.recomputed += 1
+            self.host.stats.recomputed += 1
         return ok
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from lightning_resilience.exit_codes import ExitCode
 
-__all__ = ["Diagnosis", "SDCEvent", "SilentDataCorruptionError"]
+__all__ = ["Diagnosis", "SDCEvent", "SilentDataCorruptionError", "StepOutcome"]
 
 
 class Diagnosis(str, Enum):
@@ -69,3 +69,17 @@ class SilentDataCorruptionError(RuntimeError):
         self.step = step
         self.suspects = suspects
         self.rollback_step = rollback_step
+
+
+@dataclass
+class StepOutcome:
+    """What the checks of one step concluded."""
+
+    step: int
+    events: list[SDCEvent] = field(default_factory=list)
+    checked: bool = False
+    """At least one check (replay or reconciliation) ran."""
+    needs_rollback: bool = False
+    suspects: list[int] = field(default_factory=list)
+    bad_step: int | None = None
+    """For a late non-finite guard: the earliest step whose update was non-finite (agreed by every rank)."""
