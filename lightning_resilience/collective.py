@@ -298,29 +298,35 @@ class SideGroup:
 
     def swap(
         self,
-        sends: Sequence[tuple[int, torch.Tensor]],
-        recvs: Sequence[tuple[int, torch.Tensor]],
+        sends: Sequence[tuple[int, bytes]],
+        recvs: Sequence[tuple[int, int]],
         *,
         op: str,
         step: int | None = None,
         deadline: Deadline | None = None,
-    ) -> list[Any]:
-        """Point to point of CPU tensors whose sizes both sides know: post every send and receive (group ranks), wait
-        for the receives, and return the sends' works, still in flight (wait them before reusing their tensors).
-        One wait per receive, none per send: the fewest round trips for a thread that shares the interpreter."""
+    ) -> tuple[list[bytes], list[Any]]:
+        """Point to point of messages whose sizes both sides know: send each ``(peer, data)``, then receive
+        ``(peer, size)`` bytes from each (group ranks). Returns what came, in the order of ``recvs``, and the sends
+        still in flight (wait them before the group goes; none over a tcp group, whose sends are delivered to the
+        kernel on return). One wait per receive, none per send: the fewest round trips for a thread that shares the
+        interpreter; over a tcp group no tensor is made (on a thread beside a computing step, wrapping a message in
+        a tensor cost more CPU than sending it)."""
         if not self._enter(op, step, p2p=True):
-            return []
+            return [], []
         timeout = self._bound(op, deadline)
         links = self._link.tcp
-        if links is not None:  # sent when this returns: no work left in flight
+        if links is not None:
             with self._guard(op, timeout):
-                links.swap(sends, recvs, time.monotonic() + timeout.total_seconds())
-            return []
+                return links.swap(sends, recvs, time.monotonic() + timeout.total_seconds()), []
         with self._guard(op, timeout):
-            sent = [dist.isend(t, self.global_rank(r), group=self._group) for r, t in sends]
-            for work in [dist.irecv(t, self.global_rank(r), group=self._group) for r, t in recvs]:
+            sent = [
+                dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), self.global_rank(r), group=self._group)
+                for r, data in sends
+            ]
+            bufs = [torch.empty(n, dtype=torch.uint8) for _, n in recvs]
+            for work in [dist.irecv(b, self.global_rank(r), group=self._group) for (r, _), b in zip(recvs, bufs)]:
                 _wait(work, timeout)
-        return sent
+        return [b.numpy().tobytes() for b in bufs], sent
 
     # ------------------------------------------------------------------ internals
     def _enter(self, op: str, step: int | None, *, p2p: bool = False) -> bool:

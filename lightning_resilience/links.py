@@ -194,12 +194,11 @@ class TcpLinks:
             out.append(None if n < 0 else self.recv(src, n, end))
         return out
 
-    def swap(self, sends: Sequence[tuple[int, Any]], recvs: Sequence[tuple[int, Any]], end: float) -> None:
-        """Send CPU tensors whose sizes both sides know, then fill the tensors of ``recvs`` (``(peer, tensor)``)."""
-        for peer, t in sends:
-            self.send(peer, memoryview(t.contiguous().numpy()).cast("B"), end)
-        for peer, t in recvs:
-            self.recv_into(peer, memoryview(t.numpy()).cast("B"), end)
+    def swap(self, sends: Sequence[tuple[int, bytes]], recvs: Sequence[tuple[int, int]], end: float) -> list[bytes]:
+        """Send each ``(peer, data)``, then receive ``(peer, size)`` bytes from each (sizes both sides know)."""
+        for peer, data in sends:
+            self.send(peer, data, end)
+        return [self.recv(peer, n, end) for peer, n in recvs]
 
     def close(self) -> None:
         """Close every link and the listener (what was sent is still delivered)."""

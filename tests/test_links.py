@@ -4,6 +4,7 @@ refused, every wait is bounded, a peer that goes is an error at once; a tcp side
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from datetime import timedelta
@@ -11,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from lightning_resilience.collective import CollectiveError, SideGroup
@@ -23,24 +23,21 @@ def _end(seconds: float = 10.0) -> float:
     return time.monotonic() + seconds
 
 
-def test_two_ranks_exchange_payloads_and_tensors_over_one_link_each_way() -> None:
+def test_two_ranks_exchange_payloads_and_fixed_size_messages_over_one_link_each_way() -> None:
     store = dist.HashStore()
     low, high = TcpLinks(store, "g/0", 0, host="127.0.0.1"), TcpLinks(store, "g/0", 1, host="127.0.0.1")
     got: dict[str, Any] = {}
 
     def child() -> None:  # the higher rank connects
         got["child"] = high.exchange(b"up", [0], [0], _end())
-        t = torch.tensor([5, 6], dtype=torch.int64)
-        back = torch.empty(2, dtype=torch.int64)
-        high.swap([(0, t)], [(0, back)], _end())
-        got["back"] = back.tolist()
+        (back,) = high.swap([(0, struct.pack("<2q", 5, 6))], [(0, 16)], _end())
+        got["back"] = list(struct.unpack("<2q", back))
 
     thread = threading.Thread(target=child)
     thread.start()
     got["parent"] = low.exchange(None, [1], [1], _end())
-    part = torch.empty(2, dtype=torch.int64)
-    low.swap([], [(1, part)], _end())
-    low.swap([(1, part * 10)], [], _end())
+    (part,) = low.swap([], [(1, 16)], _end())
+    assert low.swap([(1, struct.pack("<2q", *(10 * v for v in struct.unpack("<2q", part))))], [], _end()) == []
     thread.join(10)
     assert got == {"parent": [b"up"], "child": [None], "back": [50, 60]}
     assert low.peers == [1] and high.peers == [0]

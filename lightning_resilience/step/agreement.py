@@ -29,10 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
-
-import torch
 
 from lightning_resilience.collective import CollectiveTimeoutError, Deadline, SideGroup
 
@@ -65,6 +63,12 @@ _COMBINE: dict[Op, Callable[[int, int], int]] = {
 def combine(ops: Sequence[Op], a: Sequence[int], b: Sequence[int]) -> list[int]:
     """Field by field, the reduction of two partial vectors."""
     return [_COMBINE[op](x, y) for op, x, y in zip(ops, a, b)]
+
+
+@lru_cache(maxsize=8)
+def _vector(fields: int) -> struct.Struct:
+    """The wire format of a vector of ``fields`` int64 values."""
+    return struct.Struct(f"<{fields}q")
 
 
 def _frame(records: Sequence[tuple[int, bytes]]) -> bytes:
@@ -261,23 +265,24 @@ class TreeAgreement:
         )
 
     def _reduce(self, values: list[int], ops: list[Op], pending: Pending) -> list[int]:
-        """Fixed-size messages, so a leaf (most ranks) waits once per round: send up and receive down together."""
+        """Fixed-size messages, so a leaf (most ranks) waits once per round: send up and receive down together.
+        The vector travels as packed int64 (no tensor: on this thread, beside a computing step, a tensor per
+        message cost more CPU than the exchange itself)."""
         deadline = Deadline(self.timeout)
         self._settle_sends(deadline)
+        fmt = _vector(len(values))
         swap = partial(self.group.swap, op=pending.op, step=pending.step, deadline=deadline)
         if self.children:
-            parts = [torch.empty(len(values), dtype=torch.int64) for _ in self.children]
-            swap([], list(zip(self.children, parts)))
+            parts, _ = swap([], [(c, fmt.size) for c in self.children])
             for part in parts:
-                values = combine(ops, values, part.tolist())
-        mine = torch.tensor(values, dtype=torch.int64)
+                values = combine(ops, values, fmt.unpack(part))
+        mine = fmt.pack(*values)
         if self.parent is not None:
-            agreed = torch.empty_like(mine)
-            self._sent += swap([(self.parent, mine)], [(self.parent, agreed)])
-            mine = agreed
+            (mine,), sent = swap([(self.parent, mine)], [(self.parent, fmt.size)])
+            self._sent += sent
         if self.children:
-            self._sent += swap([(c, mine) for c in self.children], [])
-        return [int(v) for v in mine.tolist()]
+            self._sent += swap([(c, mine) for c in self.children], [])[1]
+        return list(fmt.unpack(mine))
 
     def _settle_sends(self, deadline: Deadline) -> None:
         """The previous round's sends, before this round's: delivered long ago (their peers answered since)."""

@@ -4,6 +4,7 @@ the training thread; a gather of payloads to rank 0; errors and deadlines on eve
 from __future__ import annotations
 
 import os
+import struct
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -150,11 +151,10 @@ class _ParentGroup:
     def __init__(self) -> None:
         self.sends: list[_Send] = []
 
-    def swap(self, sends: Any, recvs: Any, **_: Any) -> list[_Send]:
-        for _, tensor in recvs:
-            tensor.fill_(7)
+    def swap(self, sends: Any, recvs: Any, **_: Any) -> tuple[list[bytes], list[_Send]]:
+        received = [struct.pack(f"<{n // 8}q", *[7] * (n // 8)) for _, n in recvs]
         self.sends += [_Send() for _ in sends]
-        return self.sends[-len(sends) :] if sends else []
+        return received, self.sends[-len(sends) :] if sends else []
 
 
 def test_close_delivers_the_last_rounds_answer_before_the_thread_ends() -> None:
