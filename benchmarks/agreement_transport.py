@@ -11,8 +11,9 @@ suite's :class:`~lightning_resilience.step.driver.StepDriver` with its one round
 :class:`~lightning_resilience.step.agreement.TreeAgreement` on a gloo side group) and ``tcp`` (the same over the
 direct TCP links the suite uses, ``SideGroup(transport="tcp")``). The round is issued at the step's start and taken
 at its end, as in a Lightning job. Slowdown of each arm over ``none``: mean, median and p99 step time, and the mean
-of the per-block slowdowns with its 95% interval. Also, per transport, a round alone (issued and taken at once, no
-step): its latency and the process CPU it costs each rank. CPU only.
+of the per-block slowdowns with its 95% interval. Per transport, the CPU of the agreement's thread per step, at one
+round a step between steps that compute (its thread's own CPU clock); and a round alone (issued and taken at once,
+no step): its latency and the process CPU it costs each rank. CPU only.
 """
 
 from __future__ import annotations
@@ -87,12 +88,18 @@ def _rank(rank: int, blocks: int, block: int, warmup: int, rounds: int, width: i
             i += 1
     times: dict[str, list[float]] = {a: [] for a in ARMS}
     per_block: dict[str, list[float]] = {a: [] for a in ARMS}
+    thread_cpu: dict[str, float] = {t: 0.0 for t in TRANSPORTS}  # the agreement thread's, summed over the blocks
     for b in range(blocks):
         for arm in ARMS[b % len(ARMS) :] + ARMS[: b % len(ARMS)]:
             got = []
+            tree = drivers[arm].agreement if arm in drivers else None
+            before = tree.thread_cpu_seconds() if tree is not None else None
             for _ in range(block):
                 got.append(step(i, arm))
                 i += 1
+            after = tree.thread_cpu_seconds() if tree is not None else None
+            if before is not None and after is not None:
+                thread_cpu[arm] += after - before
             times[arm] += got
             per_block[arm].append(statistics.fmean(got))
     alone: dict[str, dict[str, float]] = {}
@@ -109,7 +116,14 @@ def _rank(rank: int, blocks: int, block: int, warmup: int, rounds: int, width: i
     for t in TRANSPORTS:
         drivers[t].agreement.close()
         groups[t].close()
-    return {"times": times, "per_block": per_block, "alone": alone, "cpu_s": time.process_time()}
+    thread_us = {t: 1e6 * v / len(times[t]) for t, v in thread_cpu.items()}
+    return {
+        "times": times,
+        "per_block": per_block,
+        "alone": alone,
+        "thread_us": thread_us,
+        "cpu_s": time.process_time(),
+    }
 
 
 def _arm(samples: list[float], blocks: list[float], base: list[float], base_blocks: list[float]) -> dict[str, Any]:
@@ -164,6 +178,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         },
         "arms": arms,
         "round_alone": {t: [r["alone"][t] for r in ranks] for t in TRANSPORTS},
+        "thread_cpu_us_per_step": {t: [r["thread_us"][t] for r in ranks] for t in TRANSPORTS},
         "targets": [
             bench.target(
                 "step path over the TCP links: step-time slowdown, mean", tcp["slowdown_mean"], "<=", GOAL, ""
@@ -220,6 +235,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         [t, ", ".join(f"{r['cpu_us']:.0f}" for r in per), ", ".join(f"{r['latency_us']:.0f}" for r in per)]
         for t, per in result["round_alone"].items()
     ]
+    per_step = result.get("thread_cpu_us_per_step") or {}
+    thread_rows = [[t, ", ".join(f"{v:.0f}" for v in per)] for t, per in per_step.items()]
     cfg = result["config"]
     return "\n".join(
         [
@@ -233,6 +250,11 @@ def render_markdown(result: dict[str, Any]) -> str:
             bench.md_table(
                 ["arm", "mean", "median", "p99", "slowdown mean", "median", "p99", "per-block mean, 95%"], rows
             ),
+            "",
+            "The agreement thread's CPU per step, one round a step between steps that compute, per rank "
+            "(rank 0, rank 1):",
+            "",
+            bench.md_table(["transport", "agreement thread CPU per step (us)"], thread_rows),
             "",
             "A round alone (issued and taken at once, no step), per rank (rank 0, rank 1):",
             "",

@@ -84,8 +84,8 @@ class SideGroup:
         local: a group of this rank alone, whatever the process group (not collective: e.g. a component not yet
             set up).
         transport: ``gloo``, or ``tcp``: :meth:`exchange` and :meth:`swap` over links of its own (the step
-            agreement's: a small message costs about 10 us of CPU there, against about 120 us through gloo's
-            point-to-point); a tcp group has no collectives.
+            agreement's: a small message costs a few times less CPU there than through gloo's point-to-point); a
+            tcp group has no collectives.
     """
 
     def __init__(

@@ -1,8 +1,8 @@
 """Direct TCP links between a rank and the few peers it talks to: the transport of the step agreement.
 
 A round of the step agreement is a few dozen bytes between a rank and its tree neighbours. Through gloo's
-point-to-point calls a round costs each rank about 120 us of CPU (tensor wrapping, the transport's work queue, a
-wait per message) and wakes gloo's own thread while the step computes; over a socket of its own the exchange costs
+point-to-point calls a round costs each rank about 200 us of CPU here (tensor wrapping, the transport's work queue,
+a wait per message) and wakes gloo's own thread while the step computes; over a socket of its own a ping-pong costs
 about 10 us (``docs/design.md``, "What a round costs"). :class:`TcpLinks` is that socket layer, and nothing more:
 the side group (:class:`~lightning_resilience.collective.SideGroup` with ``transport="tcp"``) keeps the fault hook,
 the deadlines' bookkeeping and the typed errors.

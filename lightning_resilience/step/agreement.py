@@ -183,6 +183,17 @@ class TreeAgreement:
             depth, reach = depth + 1, reach * self.fanout + 1
         return depth
 
+    def thread_cpu_seconds(self) -> float | None:
+        """CPU time of the agreement's thread so far (None before its first round, or where the platform has no
+        per-thread CPU clock)."""
+        thread = self._thread
+        if thread is None or thread.ident is None or not hasattr(time, "pthread_getcpuclockid"):
+            return None
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except OSError:  # the thread has ended
+            return None
+
     def fail(self, error: BaseException) -> None:
         """Every later round fails with ``error`` (a round timed out or a peer failed)."""
         with self._lock:

@@ -8,9 +8,9 @@ interleave differently on different ranks). The suite has one group per thread t
   (:meth:`SideGroup.view`) with its own name and timeout.
 * ``step`` — the agreement thread (:class:`~lightning_resilience.step.agreement.TreeAgreement`): the one round of
   every step and the straggler exchange at its cadence, along a tree of the ranks. Its messages go over direct TCP
-  links (``transport="tcp"``, :mod:`lightning_resilience.links`), not gloo: a round costs a rank about 67 us of CPU,
-  the hand-off to the agreement thread included, instead of about 120 us through gloo's point-to-point
-  (``docs/design.md``, "What a round costs"), and no gloo group is made for it.
+  links (``transport="tcp"``, :mod:`lightning_resilience.links`), not gloo: a round costs a rank about half the CPU
+  it costs through gloo's point-to-point (``docs/design.md``, "What a round costs"), and no gloo group is made for
+  it.
 
 The checkpoint engine's persist thread has a third when a tier exchanges with peers (a peer tier's transfer group,
 made by that tier). Every group connects lazily: a rank opens a socket only to the peers it talks to (the ring

@@ -162,7 +162,10 @@ def test_close_delivers_the_last_rounds_answer_before_the_thread_ends() -> None:
     send (bounded) instead of dropping it with the group."""
     group = _ParentGroup()
     tree = TreeAgreement(group)  # type: ignore[arg-type]
+    assert tree.thread_cpu_seconds() is None  # no round yet: no thread
     assert tree.reduce([3], [Op.MAX], op="step.agree", step=0).result() == [7]
+    cpu = tree.thread_cpu_seconds()
+    assert cpu is not None and cpu > 0  # the thread's own CPU clock (what benchmarks.agreement_transport reads)
     (send,) = group.sends
     closed: list[bool] = []
     closer = threading.Thread(target=lambda: closed.append(tree.close(timedelta(seconds=30))))
