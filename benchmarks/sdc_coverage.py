@@ -761,9 +761,12 @@ def readme_summary(result: dict[str, Any]) -> str:
         got = ", ".join(f"{k.replace('_', ' ')} {fmt_pct(v['coverage'])}" for k, v in kinds.items())
         own = p.get("overhead_own_cores")
         cost = f"{fmt_pct(o['slowdown_mean'])} mean step time ({WORLD} ranks on 2 cores)"
+        large = p.get("overhead_large_batch")
         if own:
             cost = (f"{fmt_pct(own['slowdown_mean'])} mean step time with one rank per core ("
-                    f"{fmt_pct(o['slowdown_mean'])} with {WORLD} ranks on 2 cores)")  # fmt: skip
+                    + (f"{fmt_pct(large['slowdown_mean'])} with {large['tokens_per_step']} tokens a step per rank "
+                       f"instead of {own.get('tokens_per_step', 256)}; " if large else "")
+                    + f"{fmt_pct(o['slowdown_mean'])} with {WORLD} ranks on 2 cores)")  # fmt: skip
         parts.append(f"`resilience={name}` names the rank for {got} at {cost}")
     return "**SDC** (faults by kind on 3 DDP ranks, at the presets' cadence): " + "; ".join(parts) + "."
 
