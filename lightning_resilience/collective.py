@@ -319,10 +319,7 @@ class SideGroup:
             with self._guard(op, timeout):
                 return links.swap(sends, recvs, time.monotonic() + timeout.total_seconds()), []
         with self._guard(op, timeout):
-            sent = [
-                dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), self.global_rank(r), group=self._group)
-                for r, data in sends
-            ]
+            sent = [dist.isend(_as_tensor(data), self.global_rank(r), group=self._group) for r, data in sends]
             bufs = [torch.empty(n, dtype=torch.uint8) for _, n in recvs]
             for work in [dist.irecv(b, self.global_rank(r), group=self._group) for (r, _), b in zip(recvs, bufs)]:
                 _wait(work, timeout)
@@ -427,6 +424,11 @@ def _new_lazy_group(ranks: list[int] | None, timeout: timedelta) -> Any:
             os.environ.pop(_LAZY, None)
         else:
             os.environ[_LAZY] = before
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    """A message as a uint8 tensor of its own (``torch.frombuffer`` refuses an empty buffer)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
 def _wait(work: Any, timeout: timedelta) -> None:
