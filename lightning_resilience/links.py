@@ -171,11 +171,6 @@ class TcpLinks:
         except OSError as err:
             raise ConnectionError(f"links {self.prefix!r}: rank {peer} is gone ({err})") from err
 
-    def recv_into(self, peer: int, buf: memoryview, end: float) -> None:
-        """Fill ``buf`` from ``peer`` by ``end`` (monotonic)."""
-        sock = self._peer(peer, end)
-        _recv_into(sock, buf, end, who=peer)
-
     def recv(self, peer: int, n: int, end: float) -> bytes:
         """``n`` bytes from ``peer`` by ``end`` (monotonic)."""
         return _recv_exact(self._peer(peer, end), n, end, who=peer)

@@ -119,7 +119,7 @@ class LateGuards:
         negated MAX of the negated values)."""
         if not group.distributed:
             return values
-        signs = [1, 1, 1, -1, -1, 1]
+        signs = [-1 if f.op is Op.MIN else 1 for f in self.fields()]  # the flags are OR, the steps MIN
         agreed = group.reduce_max_each([s * v for s, v in zip(signs, values)], op="sdc.late_guards", step=step)
         return [s * v for s, v in zip(signs, agreed)]
 

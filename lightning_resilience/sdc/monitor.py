@@ -24,7 +24,7 @@ import torch
 from lightning_resilience.collective import SideGroup
 from lightning_resilience.policy import Event, Verdict
 from lightning_resilience.sdc.config import SDCConfig
-from lightning_resilience.sdc.fingerprint import make_digest
+from lightning_resilience.sdc.fingerprint import Digest, make_digest
 from lightning_resilience.sdc.guards import GuardReader, GuardReport, Guards, grad_norm, param_norm
 from lightning_resilience.sdc.late_guards import PARAM_GUARDS, LateGuards, count_fired
 from lightning_resilience.sdc.localize import Ballot
@@ -65,7 +65,7 @@ class SDCMonitor:
         self.named_params = [(n, p) for n, p in named_params if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         self.optimizers = list(optimizers)
-        self.digest = make_digest(self.config.compare, self.config.rtol, self.config.atol)
+        self.digest: Digest = make_digest(self.config.compare, self.config.rtol, self.config.atol)
         self.guards = Guards(self.config.guard_window, self.config.guard_min_history, self.config.guard_threshold)
         self.reader = GuardReader(self.guards, self.config.guard_read_lag)
         self.reconciler = ReplicaReconciler(self.named_params, self.optimizers, self.digest)

@@ -64,24 +64,15 @@ class RoundStep:
 class RoundHost(Protocol):
     """What a replay round needs of its rank (an :class:`~lightning_resilience.sdc.monitor.SDCMonitor`)."""
 
-    @property
-    def config(self) -> SDCConfig: ...
-    @property
-    def rank(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def params(self) -> list[torch.nn.Parameter]: ...
-    @property
-    def digest(self) -> Digest: ...
-    @property
-    def stats(self) -> SDCStats: ...
-    @property
-    def guards(self) -> Guards: ...
-    @property
-    def reader(self) -> GuardReader: ...
-    @property
-    def reconciler(self) -> ReplicaReconciler: ...
+    config: SDCConfig
+    rank: int
+    world_size: int
+    params: list[torch.nn.Parameter]
+    digest: Digest
+    stats: SDCStats
+    guards: Guards
+    reader: GuardReader
+    reconciler: ReplicaReconciler
 
     @property
     def replayer(self) -> GradientReplayer:
