@@ -337,7 +337,7 @@ def _rank(
         monitor.reset()
         monitor.rolled_back(0)
         # fresh baselines: every trial replays the same steps, a baseline fed by earlier trials would be noise
-        monitor.guards = Guards(cfg.guard_window, cfg.guard_min_history, cfg.guard_threshold)
+        monitor.guards = Guards(cfg.guard_window, cfg.guard_min_history, cfg.guard_threshold, cfg.guard_quiet_steps)
         monitor.reader.guards = monitor.late.guards = monitor.guards
         state["driver"], state["actor"] = new_driver()
         torch.manual_seed(100 + rank)

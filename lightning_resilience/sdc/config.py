@@ -44,6 +44,11 @@ class SDCConfig:
     """Values needed before spike guards may fire (NaN/Inf guards fire from the first step)."""
     guard_threshold: float = 8.0
     """Robust z-score (|x - median| / (1.4826 * MAD)) above which a value is a spike."""
+    guard_quiet_steps: int = 50
+    """Steps after a replay found a guard's spike genuine during which the same guard's spikes ask for no replay
+    (a training instability spikes for many steps in a row, and the replay just showed the devices reproduce); they
+    are still counted and still reach the policy as spikes, and a non-finite value always acts. 0: every spike asks
+    for a replay."""
     param_norm_every_n_steps: int = 10
     """Steps between two parameter-norm checks (a jump against the baseline of norm changes fires the guard);
     0 disables the check."""
@@ -54,8 +59,9 @@ class SDCConfig:
     ``partner_replay`` its neighbour), or 'rotate' (one rank's batch per round, by turns: replayed by that rank and by
     its neighbour, with more opinions only when they disagree), so that a round costs one forward and backward
     wherever it runs and a device that corrupts every step is met every ``world_size / 2`` rounds (its own batch,
-    or its neighbour's). A round a restore asks for checks every batch; so does one a guard asks for, unless only
-    ranks' own losses spiked (then their batches: see docs/sdc.md)."""
+    or its neighbour's). A round a restore asks for checks every batch; one a guard asks for checks every device
+    (without a communication hook: every other rank's batch, by its rank and its partner), or only the batches of the
+    ranks whose own losses spiked (see docs/sdc.md)."""
     replay_after_restore: bool = True
     """Replay the first step after every restore (an in-process rollback, a resume), with partner, as torchtitan's
     SDC replay does: a device that corrupts every step is named at once (a non-finite value it caused only rolls
@@ -99,7 +105,13 @@ class SDCConfig:
             )
         if not (math.isfinite(self.guard_threshold) and self.guard_threshold > 0):
             raise ConfigError("sdc", "guard_threshold", f"must be a finite number > 0, got {self.guard_threshold}")
-        for key in ("guard_read_lag", "param_norm_every_n_steps", "replay_every_n_steps", "reconcile_every_n_steps"):
+        for key in (
+            "guard_read_lag",
+            "guard_quiet_steps",
+            "param_norm_every_n_steps",
+            "replay_every_n_steps",
+            "reconcile_every_n_steps",
+        ):
             if getattr(self, key) < 0:
                 raise ConfigError("sdc", key, f"must be >= 0, got {getattr(self, key)}")
         if self.max_opinions < 3:

@@ -76,6 +76,9 @@ class GuardReport:
     param_norm: float | None = None
     replayed: bool = False
     """A replay round verified this step's gradients (read late: a spike then is genuine, not a fault)."""
+    quiet: list[str] = field(default_factory=list)
+    """Spikes among ``fired`` that ask for no replay: the same guard's spike was found genuine by a replay at most
+    ``quiet_steps`` steps before (a training instability that spikes many steps in a row)."""
 
 
 def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor | None:
@@ -99,11 +102,14 @@ class Guards:
     """Loss, gradient-norm and parameter-norm guards with their baselines.
 
     Call :meth:`check` before the optimizer step, then :meth:`accept` with the report once the step is known good
-    (values of a corrupt step never enter the baselines).
+    (values of a corrupt step never enter the baselines), and :meth:`genuine` with a report whose spike a replay
+    found genuine: the same guard's spikes of the next ``quiet_steps`` steps are reported ``quiet``.
     """
 
-    def __init__(self, window: int, min_history: int, threshold: float) -> None:
+    def __init__(self, window: int, min_history: int, threshold: float, quiet_steps: int = 0) -> None:
         self.threshold = threshold
+        self.quiet_steps = quiet_steps
+        self._genuine: dict[str, int] = {}  # spike guard -> the step of its latest spike a replay found genuine
         self.loss = RobustBaseline(window, min_history)
         self.log_grad_norm = RobustBaseline(window, min_history)
         self.param_norm_delta = RobustBaseline(window, min_history, rel_floor=0.0)
@@ -135,7 +141,15 @@ class Guards:
                     report.fired.append("param_norm_jump")
         for name in report.fired:
             self.fired[name] = self.fired.get(name, 0) + 1
+        report.quiet = [f for f in report.fired if 0 < step - self._genuine.get(f, step) <= self.quiet_steps]
         return report
+
+    def genuine(self, report: GuardReport) -> None:
+        """A replay found the spikes of ``report`` genuine: the same guards' spikes of the next ``quiet_steps`` steps
+        ask for no replay (a non-finite value always does)."""
+        for name in report.fired:
+            if name.endswith("_spike"):
+                self._genuine[name] = report.step
 
     def accept(self, report: GuardReport) -> None:
         """Fold a step known to be good into the baselines."""

@@ -80,9 +80,10 @@ class LateGuards:
         """Check the guard values that reached the host (no device read, no wait); this rank's six values."""
         fired = jumped = nonfinite = job = False
         reports: list[GuardReport] = []
+        quiet: list[GuardReport] = []  # spikes a replay found genuine a moment ago: a verdict, no new replay
         for report in self.reader.arrived():
             count_fired(self.counts, report)
-            step_guards = [f for f in report.fired if f not in PARAM_GUARDS]
+            step_guards = [f for f in report.fired if f not in PARAM_GUARDS and f not in report.quiet]
             if report.replayed:  # the replay matched: a spike is genuine, but a non-finite update is applied
                 step_guards = [f for f in step_guards if f.startswith("nonfinite")]
             if step_guards:
@@ -90,12 +91,14 @@ class LateGuards:
                 fired = True
                 nonfinite = nonfinite or any(f.startswith("nonfinite") for f in step_guards)
                 job = job or any(f not in RANK_GUARDS for f in step_guards)
+            elif report.quiet:
+                quiet.append(report)
             jumped = jumped or any(f in PARAM_GUARDS for f in report.fired)
             if not step_guards:  # a parameter-norm jump is settled by the reconciliation it forces, not here
                 self.guards.accept(report)
         self._reports[step] = reports
         nonfinite_at = [r.step for r in reports if any(f.startswith("nonfinite") for f in r.fired)]
-        spike_at = [r.step for r in reports if any(f.endswith("_spike") for f in r.fired)]
+        spike_at = [r.step for r in reports + quiet if any(f.endswith("_spike") for f in r.fired)]
         first_nonfinite, first_spike = min(nonfinite_at, default=_NONE), min(spike_at, default=_NONE)
         return [int(fired), int(jumped), int(nonfinite), first_nonfinite, first_spike, int(job)]
 

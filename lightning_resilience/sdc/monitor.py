@@ -66,7 +66,10 @@ class SDCMonitor:
         self.params = [p for _, p in self.named_params]
         self.optimizers = list(optimizers)
         self.digest: Digest = make_digest(self.config.compare, self.config.rtol, self.config.atol)
-        self.guards = Guards(self.config.guard_window, self.config.guard_min_history, self.config.guard_threshold)
+        self.guards = Guards(
+            self.config.guard_window, self.config.guard_min_history, self.config.guard_threshold,
+            self.config.guard_quiet_steps,
+        )  # fmt: skip
         self.reader = GuardReader(self.guards, self.config.guard_read_lag)
         self.reconciler = ReplicaReconciler(self.named_params, self.optimizers, self.digest)
         self.stats = SDCStats()
@@ -100,10 +103,10 @@ class SDCMonitor:
         self._scheduled_rounds = 0
         """Scheduled replay rounds so far (whose batch a rotating round checks)."""
         self._late_triggered = self._late_job_guard = False
-        """A guard fired on some rank (agreed at the last step's end): the next step is replayed (every rank's batch
+        """A guard fired on some rank (agreed at the last step's end): the next step is replayed (by every device
         when a guard that is not a rank's own fired, else the batches of the ranks whose guards fired)."""
         self._job_guard = False
-        """This step's replay was asked for by a guard that is not one rank's own (every batch is checked)."""
+        """This step's replay was asked for by a guard that is not one rank's own (every device replays once)."""
         self.late = LateGuards(self.guards, self.reader, self.stats.guard_fired)
         self._next_fired: list[GuardReport] = []
         """Those of the last agreed round: the next step's replay names them."""
@@ -248,8 +251,8 @@ class SDCMonitor:
             start = self._clock()
             report = self._observe_guards()
             assert report is not None
-            fired = [f for f in report.fired if f not in PARAM_GUARDS]
-            if len(fired) < len(report.fired):
+            fired = [f for f in report.fired if f not in PARAM_GUARDS and f not in report.quiet]
+            if any(f in PARAM_GUARDS for f in report.fired):
                 self._force_reconcile = True
             self._fired = [report] if fired else []
             self._guard_triggered = self.any_rank(bool(fired))

@@ -54,7 +54,7 @@ class RoundStep:
     guard_report: GuardReport | None = None
     """This rank's guard values of the step (accepted into the baselines when the round finds them genuine)."""
     job_guard: bool = False
-    """A guard that is not one rank's own fired (every batch is checked)."""
+    """A guard that is not one rank's own fired (every device replays: see :meth:`ReplayRound._checked`)."""
     restore_check: bool = False
     """The first step after a restore."""
     rotation: int = 0
@@ -136,10 +136,14 @@ class ReplayRound:
             return None, groups
         return self.host.replayer.local_digests(), groups
 
-    def _checked(self, scheduled: bool) -> list[int]:
-        """The batches (by rank) this round checks: one by turns for a scheduled round with ``replay_scope=rotate``,
-        else every rank's. The same on every rank (rounds are collective, counted alike)."""
+    def _checked(self, scheduled: bool, every_device: bool) -> list[int]:
+        """The batches (by rank) this round checks: one by turns for a scheduled round with ``replay_scope=rotate``;
+        with ``every_device`` (a job-wide guard, pairs that replay each batch twice) every other rank's, so that each
+        device replays once (rank 0 twice when the number of ranks is odd); else every rank's. The same on every rank
+        (rounds are collective, counted alike)."""
         world = self.host.world_size
+        if every_device and world > 1:
+            return list(range(0, world, 2))
         if not scheduled or world == 1 or self.host.config.replay_scope != ReplayScope.rotate:
             return list(range(world))
         return [self.at.rotation % world]
@@ -158,7 +162,12 @@ class ReplayRound:
         own = (
             neighbours and guard_fired and self.host.reader.lag > 0 and not (self.at.job_guard or self.at.restore_check)
         )
-        every = self._checked(scheduled=not guard_fired and not self.at.restore_check)
+        # a job-wide guard (the gradient norm, taken after the all-reduce) names no batch: every device replays once,
+        # its own batch or its neighbour's, which meets a faulty device wherever it is for one replay a rank
+        every = self._checked(
+            scheduled=not guard_fired and not self.at.restore_check,
+            every_device=neighbours and guard_fired and self.at.job_guard and not self.at.restore_check,
+        )
         checked = ([rank] if self.at.fired else []) if own else every
         if neighbours and self.host.any_rank(
             not _plain((self.at.batch, self.at.rng))
@@ -323,6 +332,7 @@ class ReplayRound:
             return
         if not corrupt_original:  # the values were genuine: the baselines follow them
             for report in self.at.fired:
+                self.host.guards.genuine(report)
                 self.host.guards.accept(
                     dataclasses.replace(report, param_norm=None) if self.host.reader.lag == 0 else report
                 )

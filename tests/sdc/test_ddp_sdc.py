@@ -182,9 +182,44 @@ def test_a_batch_of_the_users_own_type_goes_by_the_gather(tmp_path: Path) -> Non
     assert all(r["gathers"] == 1 + 2 * STEPS // 2 and r["neighbours"] == 0 for r in results), results
 
 
-def _guard_fires_at_step_6(rank: int, kind: str) -> dict[str, Any]:
+def _guard_fires_at_steps(rank: int, steps: tuple[int, ...], quiet_steps: int) -> dict[str, Any]:
+    """A gradient-norm spike on every rank at each of ``steps`` (an instability that spikes for a while)."""
+    from lightning_resilience.sdc.guards import Guards
+
+    check = Guards.check
+
+    def fires(self: Guards, step: int, *args: Any) -> Any:
+        if step in steps:  # far above the baseline: the guard fires (and may be quiet)
+            args = (args[0], 1e6, *args[2:])
+        return check(self, step, *args)
+
+    Guards.check = fires  # type: ignore[method-assign]
+    config = SDCConfig(
+        replay_every_n_steps=0, reconcile_every_n_steps=0, ddp_fingerprint=False, guard_min_history=2,
+        guard_quiet_steps=quiet_steps,
+    )  # fmt: skip
+    _, _, monitor = train(STEPS, config, rank=rank, ddp=True)
+    assert monitor is not None
+    return {
+        "events": [e.to_json() for e in monitor.events],
+        "rounds": monitor.stats.replay_rounds,
+        "fired": monitor.stats.guard_fired.get("grad_norm_spike", 0),
+    }
+
+
+@pytest.mark.parametrize(("quiet_steps", "rounds"), [(0, 2), (50, 1)])
+def test_a_spike_found_genuine_quiets_its_guard(tmp_path: Path, quiet_steps: int, rounds: int) -> None:
+    """Gradient-norm spikes at steps 3 and 5: each asks for a replay round, unless the first round found its spike
+    genuine less than ``guard_quiet_steps`` before (the second is still counted on every rank)."""
+    results = run_ranks(_guard_fires_at_steps, 2, tmp_path, (3, 5), quiet_steps)
+    assert all(r["rounds"] == rounds and r["fired"] == 2 for r in results), results
+    assert _summary(results) == [(5, "anomaly", "none", [])] + ([(7, "anomaly", "none", [])] if rounds == 2 else [])
+
+
+def _guard_fires_at_step_6(rank: int, kind: str, faulty_rank: int | None = None) -> dict[str, Any]:
     """A guard fires at step 6 (read a step late, so step 7 is replayed): a loss spike on rank 1 alone, or a
-    gradient-norm spike, which every rank sees (it is taken after the all-reduce). No scheduled replay."""
+    gradient-norm spike, which every rank sees (it is taken after the all-reduce). No scheduled replay.
+    ``faulty_rank``: a device that flips a low mantissa bit of every gradient it computes (no guard sees it)."""
     from lightning_resilience.sdc.guards import Guards
 
     check = Guards.check
@@ -198,7 +233,10 @@ def _guard_fires_at_step_6(rank: int, kind: str) -> dict[str, Any]:
     Guards.check = fires  # type: ignore[method-assign]
     config = SDCConfig(replay_every_n_steps=0, reconcile_every_n_steps=0, ddp_fingerprint=False)
     with _ops_counted() as ops:
-        _, _, monitor = train(STEPS, config, rank=rank, ddp=True)
+        _, _, monitor = train(
+            STEPS, config, rank=rank, ddp=True, faulty_every_k=1 if rank == faulty_rank else 0,
+            faulty_bit_class="mantissa_low",
+        )  # fmt: skip
     assert monitor is not None
     return {
         "events": [e.to_json() for e in monitor.events],
@@ -208,16 +246,29 @@ def _guard_fires_at_step_6(rank: int, kind: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize(("kind", "replays"), [("loss_spike", [0, 1, 1]), ("grad_norm_spike", [2, 2, 2])])
+@pytest.mark.parametrize(
+    ("kind", "replays"),
+    [("loss_spike", [0, 1, 1]), ("grad_norm_spike", [2, 1, 1]), ("grad_norm_spike", [1, 1, 1, 1])],
+)
 def test_a_ranks_own_guard_replays_its_batch_alone(tmp_path: Path, kind: str, replays: list[int]) -> None:
     """A loss is one rank's own: its spike on rank 1 has rank 1 and its partner (rank 2) replay rank 1's batch, and
     nobody else replays (a false alarm on one of N ranks costs two replays, not 2N). A gradient-norm spike speaks for
-    every rank: every batch is replayed, by its rank and its partner. Either way nothing is gathered (1: setup)."""
-    results = run_ranks(_guard_fires_at_step_6, 3, tmp_path, kind)
+    every rank and names no batch: every other rank's batch is replayed, by its rank and its partner, so that every
+    device replays once (rank 0 twice when the number of ranks is odd). Either way nothing is gathered (1: setup)."""
+    results = run_ranks(_guard_fires_at_step_6, len(replays), tmp_path, kind)
     assert [r["replays"] for r in results] == replays, results
     assert all(r["rounds"] == 1 and r["gathers"] == 1 for r in results), results
     # the replay reproduced the step: not a faulty device, and no rank is named
     assert _summary(results) == [(8, "anomaly", "none", [])]
+
+
+@pytest.mark.parametrize("faulty_rank", [1, 2])
+def test_a_job_wide_guard_meets_a_faulty_device_wherever_it_is(tmp_path: Path, faulty_rank: int) -> None:
+    """The gradient-norm spike's round replays each device once: a faulty device is met as a batch's partner (rank 1
+    replays rank 0's batch) or as its owner (rank 2), and a majority of three names it."""
+    results = run_ranks(_guard_fires_at_step_6, 3, tmp_path, "grad_norm_spike", faulty_rank)
+    [first, *_] = _summary(results)
+    assert (first[0], first[1], first[2], first[3]) == (8, "persistent", "rollback", [faulty_rank]), first
 
 
 def _agreement_hangs_on_one_rank(rank: int) -> dict[str, Any]:

@@ -75,6 +75,29 @@ def test_guards_fire_on_nonfinite_and_spikes_not_on_noise() -> None:
     assert g.check(41, 2.6, 1.0, 1e9).fired == ["param_norm_jump"]
 
 
+def test_a_spike_found_genuine_quiets_the_same_guard_for_quiet_steps() -> None:
+    """After a replay found a gradient-norm spike genuine, that guard's spikes of the next ``quiet_steps`` steps ask
+    for no replay (they are still reported and counted); a loss spike, a non-finite value and a spike after the quiet
+    period still ask."""
+    g = Guards(window=32, min_history=8, threshold=8.0, quiet_steps=5)
+    for step in range(20):
+        g.accept(g.check(step, 3.0 + 0.01 * (step % 3), 1.0 + 0.01 * (step % 3)))
+    first = g.check(20, 3.0, 1e3)
+    assert first.fired == ["grad_norm_spike"] and first.quiet == []
+    g.genuine(first)
+    again = g.check(25, 3.0, 1e3)
+    assert again.fired == again.quiet == ["grad_norm_spike"]
+    assert g.fired["grad_norm_spike"] == 2
+    assert g.check(23, 50.0, float("inf")).quiet == []  # a loss spike and a non-finite gradient are not quieted
+    assert g.check(26, 3.0, 1e3).quiet == []  # past the quiet period
+    assert g.check(19, 3.0, 1e3).quiet == []  # before the genuine spike (a rollback went back)
+    none = Guards(window=32, min_history=8, threshold=8.0, quiet_steps=0)
+    for step in range(20):
+        none.accept(none.check(step, 3.0 + 0.01 * (step % 3), 1.0 + 0.01 * (step % 3)))
+    none.genuine(none.check(20, 3.0, 1e3))
+    assert none.check(21, 3.0, 1e3).quiet == []
+
+
 def _op(rank: int, kind: str, value: int) -> Opinion:
     return Opinion(rank, kind, torch.tensor([value]))
 
