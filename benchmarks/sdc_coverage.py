@@ -12,8 +12,9 @@ issued at the step's start and taken at its end, as in a Lightning job (no rank 
 
 * ``default`` (``resilience=default``, ``sdc/guards.yaml``): guards every step, read one step late; cross-replica
   reconciliation every 50 steps; a replay every 100 steps of one rank's batch by turns (by that rank and its
-  neighbour); no communication hook; a replay of every batch when a guard fires and of the first step after a
-  rollback;
+  neighbour); no communication hook; a replay on every device when a job-wide guard fires (of the spiking ranks'
+  batches when only losses spike; none for a spike within ``guard_quiet_steps`` of one a replay found genuine), and
+  of every batch at the first step after a rollback;
 * ``full`` (``resilience=full``, ``sdc/dual_run.yaml``): the same guards, a dual-run replay (with partner, bucket
   digests by a communication hook) every 50 steps, reconciliation every 25.
 
