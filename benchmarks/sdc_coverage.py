@@ -457,14 +457,20 @@ def _cells(trials: list[dict[str, Any]], results: list[dict[str, Any]]) -> dict[
     cells: dict[str, dict[str, Any]] = {}
     for trial, res in zip(trials, results):
         empty = {"kind": trial["kind"], "trials": 0, "caught": 0, "flagged": 0, "missed": 0, "no_effect": 0}
-        cell = cells.setdefault(trial["cell"], {**empty, "latencies": [], "caught_by": {}})
+        cell = cells.setdefault(trial["cell"], {**empty, "latencies": [], "caught_by": {}, "runs": []})
         cell["trials"] += 1
         outcome = _classify(trial, res)
         cell[outcome] += 1
+        how = None
         if outcome in ("caught", "flagged") and res["detected"] is not None:
             cell["latencies"].append(res["detected"] - (trial["step"] + 1))
             how = _mechanism(res)
             cell["caught_by"][how] = cell["caught_by"].get(how, 0) + 1
+        # each trial's own record: why a trial was flagged rather than caught can be read back from the results
+        events = [[e["step"], e["verdict"], e["action"], e["suspects"], e["mechanism"]] for e in res["events"][:8]]
+        decisions = [[d["step"], d["action"], d["event"]] for d in res["decisions"][:8]]
+        cell["runs"].append({"rank": trial["rank"], "step": trial["step"], "outcome": outcome, "caught_by": how,
+                             "detected": res["detected"], "events": events, "decisions": decisions})  # fmt: skip
     for cell in cells.values():
         _rates(cell)
     return cells
@@ -536,6 +542,8 @@ def measure(preset: str, args: argparse.Namespace) -> dict[str, Any]:
             for k in (
                 "guards",
                 "guard_read_lag",
+                "guard_threshold",
+                "guard_quiet_steps",
                 "replay_every_n_steps",
                 "partner_replay",
                 "replay_scope",
