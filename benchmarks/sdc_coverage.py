@@ -251,7 +251,6 @@ def _rank(
     from lightning_resilience.collective import SideGroup
     from lightning_resilience.policy import PolicyConfig
     from lightning_resilience.sdc.fingerprint import BitwiseDigest, digest_all
-    from lightning_resilience.sdc.guards import Guards
     from lightning_resilience.sdc.inject import BitFlipInjector, FlipSpec
     from lightning_resilience.sdc.monitor import SDCMonitor
     from lightning_resilience.sdc.verdict import Diagnosis
@@ -338,8 +337,7 @@ def _rank(
         monitor.reset()
         monitor.rolled_back(0)
         # fresh baselines: every trial replays the same steps, a baseline fed by earlier trials would be noise
-        monitor.guards = Guards(cfg.guard_window, cfg.guard_min_history, cfg.guard_threshold, cfg.guard_quiet_steps)
-        monitor.reader.guards = monitor.late.guards = monitor.guards
+        monitor.guards.reset()
         state["driver"], state["actor"] = new_driver()
         torch.manual_seed(100 + rank)
 

@@ -109,10 +109,15 @@ class Guards:
     def __init__(self, window: int, min_history: int, threshold: float, quiet_steps: int = 0) -> None:
         self.threshold = threshold
         self.quiet_steps = quiet_steps
+        self._window, self._min_history = window, min_history
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every baseline, count and quiet period (a run that starts over from the same initial state)."""
         self._genuine: dict[str, int] = {}  # spike guard -> the step of its latest spike a replay found genuine
-        self.loss = RobustBaseline(window, min_history)
-        self.log_grad_norm = RobustBaseline(window, min_history)
-        self.param_norm_delta = RobustBaseline(window, min_history, rel_floor=0.0)
+        self.loss = RobustBaseline(self._window, self._min_history)
+        self.log_grad_norm = RobustBaseline(self._window, self._min_history)
+        self.param_norm_delta = RobustBaseline(self._window, self._min_history, rel_floor=0.0)
         self._last_param_norm: float | None = None
         self.fired: dict[str, int] = {}
 

@@ -91,6 +91,8 @@ def test_a_spike_found_genuine_quiets_the_same_guard_for_quiet_steps() -> None:
     assert g.check(23, 50.0, float("inf")).quiet == []  # a loss spike and a non-finite gradient are not quieted
     assert g.check(26, 3.0, 1e3).quiet == []  # past the quiet period
     assert g.check(19, 3.0, 1e3).quiet == []  # before the genuine spike (a rollback went back)
+    g.reset()  # baselines, counts and quiet periods are forgotten
+    assert g.fired == {} and len(g.log_grad_norm) == 0 and g.check(25, 3.0, 1e3).fired == []
     none = Guards(window=32, min_history=8, threshold=8.0, quiet_steps=0)
     for step in range(20):
         none.accept(none.check(step, 3.0 + 0.01 * (step % 3), 1.0 + 0.01 * (step % 3)))
