@@ -11,16 +11,16 @@ suite's :class:`~lightning_resilience.step.driver.StepDriver`: the late guards t
 issued at the step's start and taken at its end, as in a Lightning job (no rank waits on an ordinary step).
 
 * ``default`` (``resilience=default``, ``sdc/guards.yaml``): guards every step, read one step late; cross-replica
-  reconciliation every 50 steps; a replay every 100 steps of one rank's batch by turns (by that rank and its
-  neighbour); no communication hook; a replay on every device when a job-wide guard fires (of the spiking ranks'
+  reconciliation every 50 steps; a replay on every device every 200 steps (every other rank's batch, by that rank
+  and its neighbour); no communication hook; the same round when a job-wide guard fires (of the spiking ranks'
   batches when only losses spike; none for a spike within ``guard_quiet_steps`` of one a replay found genuine), and
   of every batch at the first step after a rollback;
 * ``full`` (``resilience=full``, ``sdc/dual_run.yaml``): the same guards, a dual-run replay (with partner, bucket
   digests by a communication hook) every 50 steps, reconciliation every 25.
 
 Faults, reported apart (20 trials per cell by default, each from the same initial state, ``2 x W`` steps where W is
-the preset's longest cadence; the fault lands at a random step of the second window, after the guard baselines are
-warm):
+the longest cadence of the checks a flip that stays waits for, :func:`window`; the fault lands at a random step of
+the second window, after the guard baselines are warm):
 
 * **persistent state** — a parameter or an AdamW state tensor: one bit (any class), a burst of 3 adjacent bits, or
   one bit in 4 elements 7 apart (strided). It stays until a reconciliation sees it.
@@ -144,16 +144,24 @@ def preset_config(name: str, scale: int | None = None) -> SDCConfig:
 
 
 def window(cfg: SDCConfig) -> int:
-    return max(cfg.replay_every_n_steps, cfg.reconcile_every_n_steps, cfg.param_norm_every_n_steps)
+    """W, the trials' window: the longest cadence of the checks that a flip which stays waits for (the
+    reconciliation, the parameter-norm guard), and the replay's when it is at most twice that (a window then holds
+    whole replay periods, so a transient flip lands on a scheduled replay as often as in training) or when neither
+    other check runs. A longer replay cadence is left out: a faulty device is given the stated bound instead
+    (:func:`faulty_bound`), and the transient trials do not sample the ``1 / replay_every_n_steps`` of flips that a
+    scheduled replay would see (the notes say so)."""
+    stays = max(cfg.reconcile_every_n_steps, cfg.param_norm_every_n_steps)
+    return stays if cfg.replay_every_n_steps > 2 * stays > 0 else max(stays, cfg.replay_every_n_steps)
 
 
 def faulty_bound(cfg: SDCConfig, world: int = WORLD) -> int | None:
     """Steps within which a scheduled replay meets a device that corrupts every step (the stated latency bound).
 
-    A scheduled round every ``replay_every_n_steps``; with ``rotate`` one rank's batch by turns, replayed by that
-    rank and (partner replay) its neighbour: a rank takes part in 2 turns of every ``world`` (1 without a partner),
-    so at most ``world - 1`` rounds (``world``) pass between two of its turns; plus the round's vote and the
-    agreement that carries it. None: no scheduled replay (only a guard can ask for one)."""
+    A scheduled round every ``replay_every_n_steps``: with ``all`` or ``devices`` every device replays at every
+    round; with ``rotate`` one rank's batch by turns, replayed by that rank and (partner replay) its neighbour: a
+    rank takes part in 2 turns of every ``world`` (1 without a partner), so at most ``world - 1`` rounds (``world``)
+    pass between two of its turns; plus the round's vote and the agreement that carries it. None: no scheduled
+    replay (only a guard can ask for one)."""
     if not cfg.replay_every_n_steps:
         return None
     rounds = 1 if cfg.replay_scope != "rotate" or world == 1 else (world - 1 if cfg.partner_replay else world)
@@ -856,10 +864,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "for a replay of the next step, which cannot see a fault that did not recur; a non-finite value asks for "
             "a rollback), or by a replay of that very step (the full preset's schedule): the caught-by column says "
             "which.",
+            "A transient flip lands on a scheduled replay with probability 1 / replay_every_n_steps. Where that "
+            "cadence is more than twice the trials' window (the default preset: a replay every 200 steps, a window "
+            "of 50), the trials do not sample it: the transient figures leave out that 0.5%.",
             "A faulty device corrupts the replays on its rank too: a replay asked for by a guard, the replay of the "
             "first step after the rollback its non-finite values ask for, or a scheduled one (the default preset's "
-            "turn comes to its batch, or to its neighbour's, at least once in every world_size - 1 rounds) names it "
-            "by a majority of the three ranks.",
+            "rounds have every device replay once, its own batch or its neighbour's) names it by a majority of the "
+            "three ranks.",
             "A flaky device (corrupting 1 step in 4) is met by the same replays, each of which sees the fault only at "
             "that rate: it is reported apart (flaky_device), without a goal.",
             "CPU timings of a small model: on a GPU the guards and digests are device work that the step does not "

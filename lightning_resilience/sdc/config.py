@@ -16,6 +16,7 @@ class ReplayScope(StrEnum):
 
     all = "all"
     rotate = "rotate"
+    devices = "devices"
 
 
 class Compare(StrEnum):
@@ -56,12 +57,14 @@ class SDCConfig:
     """Steps between two dual-run replays (a guard that fires triggers one at once); 0: only when a guard fires."""
     replay_scope: ReplayScope = ReplayScope.all
     """Which batches a scheduled replay round checks: 'all' (every rank's, each by its own rank and with
-    ``partner_replay`` its neighbour), or 'rotate' (one rank's batch per round, by turns: replayed by that rank and by
-    its neighbour, with more opinions only when they disagree), so that a round costs one forward and backward
-    wherever it runs and a device that corrupts every step is met every ``world_size / 2`` rounds (its own batch,
-    or its neighbour's). A round a restore asks for checks every batch; one a guard asks for checks every device
-    (without a communication hook: every other rank's batch, by its rank and its partner), or only the batches of the
-    ranks whose own losses spiked (see docs/sdc.md)."""
+    ``partner_replay`` its neighbour); 'devices' (with ``partner_replay``: every other rank's batch, by its rank and
+    its neighbour, from an offset that moves by one each round, so that every device replays once a round, one of
+    them twice when the number of ranks is odd; without it, as 'all'): a round costs one forward and backward at 2
+    ranks and at 10,000, and meets a device that corrupts every step at every round; or 'rotate' (one rank's batch
+    per round, by turns: replayed by that rank and by its neighbour, with more opinions only when they disagree),
+    the same wall time a round with the other ranks idle, which meets such a device once in ``world_size - 1``
+    rounds. A round a restore asks for checks every batch; one a guard asks for checks every device (as 'devices'),
+    or only the batches of the ranks whose own losses spiked (see docs/sdc.md)."""
     replay_after_restore: bool = True
     """Replay the first step after every restore (an in-process rollback, a resume), with partner, as torchtitan's
     SDC replay does: a device that corrupts every step is named at once (a non-finite value it caused only rolls

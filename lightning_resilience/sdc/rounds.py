@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from lightning_resilience.sdc.replay import BucketFingerprintHook, GradientReplayer, RngState
     from lightning_resilience.sdc.stats import SDCStats
 
-__all__ = ["ReplayRound", "RoundHost", "RoundStep"]
+__all__ = ["ReplayRound", "RoundHost", "RoundStep", "every_other"]
 
 _INCONCLUSIVE = "inconclusive: no majority of three devices, no replay that reproduces a reference; no rank named"
 _REPRODUCES = "a device reproduces a wrong result (what it contributed to the step is suspect)"
@@ -137,16 +137,19 @@ class ReplayRound:
         return self.host.replayer.local_digests(), groups
 
     def _checked(self, scheduled: bool, every_device: bool) -> list[int]:
-        """The batches (by rank) this round checks: one by turns for a scheduled round with ``replay_scope=rotate``;
-        with ``every_device`` (a job-wide guard, pairs that replay each batch twice) every other rank's, so that each
-        device replays once (rank 0 twice when the number of ranks is odd); else every rank's. The same on every rank
-        (rounds are collective, counted alike)."""
-        world = self.host.world_size
-        if every_device and world > 1:
-            return list(range(0, world, 2))
-        if not scheduled or world == 1 or self.host.config.replay_scope != ReplayScope.rotate:
+        """The batches (by rank) this round checks. With ``every_device`` (a job-wide guard, pairs that replay each
+        batch twice) every other rank's from rank 0, and for a scheduled round with ``replay_scope=devices`` and a
+        partner from an offset that moves with the round: each device replays once (one twice when the number of
+        ranks is odd). One by turns for a scheduled round with ``replay_scope=rotate``; else every rank's. The same
+        on every rank (rounds are collective, counted alike)."""
+        world, scope = self.host.world_size, self.host.config.replay_scope
+        if world > 1 and every_device:
+            return every_other(world, 0)
+        if not scheduled or world == 1 or scope == ReplayScope.all:
             return list(range(world))
-        return [self.at.rotation % world]
+        if scope == ReplayScope.rotate:
+            return [self.at.rotation % world]
+        return every_other(world, self.at.rotation) if self.host.config.partner_replay else list(range(world))
 
     def run(self, out: StepOutcome) -> None:
         """Replay the step (and with partner replay a neighbour's), vote per batch, record and act."""
@@ -373,6 +376,12 @@ class ReplayRound:
         if ok:
             self.host.stats.recomputed += 1
         return ok
+
+
+def every_other(world: int, offset: int) -> list[int]:
+    """Every other rank from ``offset`` round the ring: with each batch replayed by its rank and the next, every rank
+    replays once (the rank at ``offset`` twice when ``world`` is odd)."""
+    return sorted({(offset + 2 * i) % world for i in range((world + 1) // 2)})
 
 
 _PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, bytes, type(None))

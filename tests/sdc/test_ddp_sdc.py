@@ -133,13 +133,14 @@ def test_faulty_device_on_two_ranks_is_inconclusive_and_blames_nobody(tmp_path: 
 ROTATE = dict(replay_every_n_steps=2, reconcile_every_n_steps=0, replay_scope="rotate", ddp_fingerprint=False)
 
 
-def _rotating(rank: int, faulty_rank: int | None, boxed: bool = False) -> dict[str, Any]:
-    """Replay rounds of one batch by turns, no communication hook: a device that flips a low mantissa bit of every
-    gradient it computes (no guard sees it) is met as the owner of the batch or as its partner."""
+def _rotating(rank: int, faulty_rank: int | None, boxed: bool = False, scope: str = "rotate") -> dict[str, Any]:
+    """Scheduled replay rounds (of one batch by turns, or on every device), no communication hook: a device that
+    flips a low mantissa bit of every gradient it computes (no guard sees it) is met as the owner of a batch or as
+    its partner."""
     with _ops_counted() as ops:
         _, _, monitor = train(
-            STEPS, SDCConfig(**ROTATE), rank=rank, ddp=True, faulty_every_k=1 if rank == faulty_rank else 0,
-            faulty_bit_class="mantissa_low", boxed=boxed,
+            STEPS, SDCConfig(**{**ROTATE, "replay_scope": scope}), rank=rank, ddp=True,
+            faulty_every_k=1 if rank == faulty_rank else 0, faulty_bit_class="mantissa_low", boxed=boxed,
         )  # fmt: skip
     assert monitor is not None and monitor._hook is None
     return {
@@ -170,6 +171,29 @@ def test_rotating_replay_meets_a_faulty_device_by_turns(tmp_path: Path) -> None:
     [first, *_] = _summary(results)
     assert (first[1], first[2], first[3]) == ("persistent", "rollback", [2]), first
     assert first[0] <= 2 * world and all(r["dirty"] for r in results)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_a_round_on_every_device_meets_a_faulty_device_at_once(tmp_path: Path, world: int) -> None:
+    """``replay_scope=devices``: every other rank's batch, by its rank and its neighbour, from an offset that moves
+    each round, so each device replays once a round (the rank at the offset twice when the number of ranks is odd),
+    and nothing is gathered. A faulty device on the last rank, which ``rotate`` meets only at its turns, is named by
+    the first round."""
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "faulty").mkdir()
+    rounds = STEPS // 2
+    clean = run_ranks(_rotating, world, tmp_path / "clean", None, False, "devices")
+    assert _summary(clean) == [] and all(r["rounds"] == rounds for r in clean)
+    replays = [r["replays"] for r in clean]
+    if world % 2 == 0:
+        assert replays == [rounds] * world, replays
+    else:  # the offset moves by one a round: rounds 0..3 on 3 ranks double on ranks 0, 1, 2, 0
+        assert replays == [rounds + 2, rounds + 1, rounds + 1], replays
+    assert all(r["gathers"] == 1 and r["neighbours"] == 2 * rounds for r in clean), clean  # 1: setup
+    results = run_ranks(_rotating, world, tmp_path / "faulty", world - 1, False, "devices")
+    [first, *_] = _summary(results)
+    assert (first[1], first[2], first[3]) == ("persistent", "rollback", [world - 1]), first
+    assert first[0] == 2 and all(r["dirty"] for r in results)  # the first round (step 2)
 
 
 def test_a_batch_of_the_users_own_type_goes_by_the_gather(tmp_path: Path) -> None:
