@@ -119,6 +119,11 @@ KINDS = ("persistent", "transient", "faulty_device", "flaky_device")
 ``flaky_device`` (no goal: a replay on it sees the fault only at that rate)."""
 DEVICE_KINDS = ("faulty_device", "flaky_device")
 SLACK_STEPS = 5
+BATCH_POOL = 200
+"""Distinct batches a rank trains on, cycled (the overhead's 1,600 steps an arm go through them 8 times), whatever the
+trials' window: the data, and so the guards' false alarms, do not change with a preset's cadences."""
+OVERHEAD_WARM_STEPS = 100
+"""Steps of each arm before the overhead's windows (at least the trials' window): the guard baselines are warm."""
 """Steps after a replay round that a verdict may take (its vote, the agreement that carries it)."""
 _COUNTS = ["trials", "caught", "flagged", "missed", "no effect", "coverage (95% CI)"]
 KIND_HEADER = ["kind of fault", *_COUNTS, "localization", "latency mean / max", "caught by"]
@@ -282,7 +287,7 @@ def _rank(
     plain_model.train()
     plain_ddp = DistributedDataParallel(plain_model)
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-    batches = _batches(kw, rank, 2 * w, batch_size)
+    batches = _batches(kw, rank, max(2 * w, BATCH_POOL), batch_size)
     monitor = SDCMonitor(list(model.named_parameters()), [], cfg)
     monitor.setup()
     monitor.attach(lambda b: _loss(model, b), ddp=ddp, synced_loss_fn=lambda b: _loss(ddp, b))
@@ -406,17 +411,18 @@ def _rank(
         del r["final"]
         results.append(r)
     # overhead: short windows of each arm taking turns, A B B A (neighbours pair up: the machine's drift, slower than
-    # two windows, cancels out of a pair), after w warm steps of each; each arm goes on with its own state
+    # two windows, cancels out of a pair), after the warm steps of each; each arm goes on with its own state
     ow = overhead_window
+    warm = w if scale is not None else max(w, OVERHEAD_WARM_STEPS)
     reset()
-    for i in range(w):
+    for i in range(warm):
         step(i)
         plain_step(i)
     times: dict[str, list[float]] = {"plain": [], "checked": []}
     stats0 = copy.copy(monitor.stats)  # what the checked windows spend, by part (wall time on this rank)
     fired0 = dict(monitor.stats.guard_fired)
     phases0 = dict(state["driver"].stats.seconds)
-    i = w
+    i = warm
     for r in range(overhead_rounds):
         for kind in ("checked", "plain") if r % 2 == 0 else ("plain", "checked"):
             for k in range(ow):
