@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from lightning_resilience.sdc.replay import BucketFingerprintHook, GradientReplayer, RngState
     from lightning_resilience.sdc.stats import SDCStats
 
-__all__ = ["ReplayRound", "RoundHost", "RoundStep", "every_other"]
+__all__ = ["ReplayRound", "RoundHost", "RoundStep"]
 
 _INCONCLUSIVE = "inconclusive: no majority of three devices, no replay that reproduces a reference; no rank named"
 _REPRODUCES = "a device reproduces a wrong result (what it contributed to the step is suspect)"
@@ -144,12 +144,12 @@ class ReplayRound:
         on every rank (rounds are collective, counted alike)."""
         world, scope = self.host.world_size, self.host.config.replay_scope
         if world > 1 and every_device:
-            return every_other(world, 0)
+            return _every_other(world, 0)
         if not scheduled or world == 1 or scope == ReplayScope.all:
             return list(range(world))
         if scope == ReplayScope.rotate:
             return [self.at.rotation % world]
-        return every_other(world, self.at.rotation) if self.host.config.partner_replay else list(range(world))
+        return _every_other(world, self.at.rotation) if self.host.config.partner_replay else list(range(world))
 
     def run(self, out: StepOutcome) -> None:
         """Replay the step (and with partner replay a neighbour's), vote per batch, record and act."""
@@ -378,7 +378,7 @@ class ReplayRound:
         return ok
 
 
-def every_other(world: int, offset: int) -> list[int]:
+def _every_other(world: int, offset: int) -> list[int]:
     """Every other rank from ``offset`` round the ring: with each batch replayed by its rank and the next, every rank
     replays once (the rank at ``offset`` twice when ``world`` is odd)."""
     return sorted({(offset + 2 * i) % world for i in range((world + 1) // 2)})
