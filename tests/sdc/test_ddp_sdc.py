@@ -130,16 +130,16 @@ def test_faulty_device_on_two_ranks_is_inconclusive_and_blames_nobody(tmp_path: 
     assert all(r["dirty"] and r["rollback"] == 0 for r in results)  # still rejected: a rollback, no rank blamed
 
 
-ROTATE = dict(replay_every_n_steps=2, reconcile_every_n_steps=0, replay_scope="rotate", ddp_fingerprint=False)
+SCHEDULED = dict(replay_every_n_steps=2, reconcile_every_n_steps=0, replay_scope="rotate", ddp_fingerprint=False)
 
 
-def _rotating(rank: int, faulty_rank: int | None, boxed: bool = False, scope: str = "rotate") -> dict[str, Any]:
+def _scheduled_rounds(rank: int, faulty_rank: int | None, boxed: bool = False, scope: str = "rotate") -> dict[str, Any]:
     """Scheduled replay rounds (of one batch by turns, or on every device), no communication hook: a device that
     flips a low mantissa bit of every gradient it computes (no guard sees it) is met as the owner of a batch or as
     its partner."""
     with _ops_counted() as ops:
         _, _, monitor = train(
-            STEPS, SDCConfig(**{**ROTATE, "replay_scope": scope}), rank=rank, ddp=True,
+            STEPS, SDCConfig(**{**SCHEDULED, "replay_scope": scope}), rank=rank, ddp=True,
             faulty_every_k=1 if rank == faulty_rank else 0, faulty_bit_class="mantissa_low", boxed=boxed,
         )  # fmt: skip
     assert monitor is not None and monitor._hook is None
@@ -158,7 +158,7 @@ def test_rotating_replay_meets_a_faulty_device_by_turns(tmp_path: Path) -> None:
     world = 3
     (tmp_path / "clean").mkdir()
     (tmp_path / "faulty").mkdir()
-    clean = run_ranks(_rotating, world, tmp_path / "clean", None)
+    clean = run_ranks(_scheduled_rounds, world, tmp_path / "clean", None)
     assert _summary(clean) == [] and all(r["rounds"] == STEPS // 2 for r in clean)
     # one batch per round: its owner and its neighbour replay it (2 replays a round on 3 ranks, not 6)
     assert sum(r["replays"] for r in clean) == 2 * STEPS // 2
@@ -167,7 +167,7 @@ def test_rotating_replay_meets_a_faulty_device_by_turns(tmp_path: Path) -> None:
     # what a rank sends does not grow with the number of ranks
     assert all(r["gathers"] == 1 for r in clean), [r["gathers"] for r in clean]  # 1: setup
     assert all(r["neighbours"] == 2 * STEPS // 2 and r["agreed"] == 2 * STEPS // 2 for r in clean), clean
-    results = run_ranks(_rotating, world, tmp_path / "faulty", world - 1)
+    results = run_ranks(_scheduled_rounds, world, tmp_path / "faulty", world - 1)
     [first, *_] = _summary(results)
     assert (first[1], first[2], first[3]) == ("persistent", "rollback", [2]), first
     assert first[0] <= 2 * world and all(r["dirty"] for r in results)
@@ -182,7 +182,7 @@ def test_a_round_on_every_device_meets_a_faulty_device_at_once(tmp_path: Path, w
     (tmp_path / "clean").mkdir()
     (tmp_path / "faulty").mkdir()
     rounds = STEPS // 2
-    clean = run_ranks(_rotating, world, tmp_path / "clean", None, False, "devices")
+    clean = run_ranks(_scheduled_rounds, world, tmp_path / "clean", None, False, "devices")
     assert _summary(clean) == [] and all(r["rounds"] == rounds for r in clean)
     replays = [r["replays"] for r in clean]
     if world % 2 == 0:
@@ -190,7 +190,7 @@ def test_a_round_on_every_device_meets_a_faulty_device_at_once(tmp_path: Path, w
     else:  # the offset moves by one a round: rounds 0..3 on 3 ranks double on ranks 0, 1, 2, 0
         assert replays == [rounds + 2, rounds + 1, rounds + 1], replays
     assert all(r["gathers"] == 1 and r["neighbours"] == 2 * rounds for r in clean), clean  # 1: setup
-    results = run_ranks(_rotating, world, tmp_path / "faulty", world - 1, False, "devices")
+    results = run_ranks(_scheduled_rounds, world, tmp_path / "faulty", world - 1, False, "devices")
     [first, *_] = _summary(results)
     assert (first[1], first[2], first[3]) == ("persistent", "rollback", [world - 1]), first
     assert first[0] == 2 and all(r["dirty"] for r in results)  # the first round (step 2)
@@ -200,7 +200,7 @@ def test_a_batch_of_the_users_own_type_goes_by_the_gather(tmp_path: Path) -> Non
     """What a neighbour reads back is limited to tensors and built-in values (``torch.load(weights_only=True)``): with
     a batch of the user's own type the ranks agree to take the round's gathers (torch's own unpickling), and it still
     checks one batch by turns."""
-    results = run_ranks(_rotating, 3, tmp_path, None, True)
+    results = run_ranks(_scheduled_rounds, 3, tmp_path, None, True)
     assert _summary(results) == [] and all(r["rounds"] == STEPS // 2 for r in results)
     assert sum(r["replays"] for r in results) == 2 * STEPS // 2
     assert all(r["gathers"] == 1 + 2 * STEPS // 2 and r["neighbours"] == 0 for r in results), results
