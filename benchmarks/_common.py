@@ -413,10 +413,17 @@ def report(result: dict[str, Any], out: str | os.PathLike[str], render: Callable
 
 
 def result_header(
-    benchmark: str, title: str, module: str, argv: Sequence[str], started: float, machine: dict[str, Any]
+    benchmark: str,
+    title: str,
+    module: str,
+    argv: Sequence[str],
+    started: float,
+    machine: dict[str, Any],
+    since: tuple[float, float, float] | None = None,
 ) -> dict[str, Any]:
     """The first keys of every result: what ran, how to run it again, when, for how long, where (the machine's load
-    at the end recorded now, see :func:`finish_load`); ``started`` is a ``time.perf_counter()`` reading."""
+    at the end recorded now, see :func:`finish_load`, with ``since``); ``started`` is a ``time.perf_counter()``
+    reading."""
     import time
 
     return {
@@ -425,7 +432,7 @@ def result_header(
         "command": command_line(module, argv),
         "date": now_iso(),
         "total_wall_s": time.perf_counter() - started,
-        "machine": finish_load(machine),
+        "machine": finish_load(machine, since),
     }
 
 

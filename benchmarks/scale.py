@@ -70,8 +70,9 @@ WARMUP = 5
 PREDICT_AT = (1024, 4096, 16384)
 STEP_TIMES_S = (0.1, 1.0)
 FIELDS = 16
-STRAGGLER_RECORD_B = 400
-"""Bytes per rank of a straggler exchange: 10 steps x 4 sections as JSON."""
+STRAGGLER_RECORD_B = 730
+"""Bytes per rank of a straggler exchange: 10 steps of 7 sections, a JSON head and packed float64 (as
+``benchmarks.exchange_rank0`` measures it; runs before it assumed 400 B, where the JSON record was 2.2 KB)."""
 
 
 def depth(n: int, fanout: int = FANOUT) -> int:
@@ -236,6 +237,7 @@ def model(rows: list[dict[str, Any]], alpha_cluster_s: float) -> dict[str, Any]:
         "round_intercept_ms": c0 * 1e3,
         "round_overhead_cluster_ms": overhead_cluster * 1e3,
         "beta_ns_per_byte": beta * 1e9,
+        "straggler_record_b": STRAGGLER_RECORD_B,
         "alpha_us_cluster": alpha_cluster_s * 1e6,
         "fixed_ms": fixed_ms,
         "predictions": predictions,
@@ -443,7 +445,8 @@ def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
         "the suite's hooks (column *preempted*), on caches the other processes have filled. "
         f"Latency model: alpha {m['alpha_us_fitted']:.0f} us per hop fitted "
         f"here (a cluster's: {m['alpha_us_cluster']:.0f} us, assumed), beta {m['beta_ns_per_byte']:.2f} ns per byte at "
-        f"rank 0, the suite's fixed cost {m['fixed_ms']:.2f} ms per step (measured above).",
+        f"rank 0, the suite's fixed cost {m['fixed_ms']:.2f} ms per step (measured above); a straggler exchange "
+        f"of {m.get('straggler_record_b', 400)} B a rank.",
         "",
     ]
     pred = [

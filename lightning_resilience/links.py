@@ -35,6 +35,7 @@ HOST_ENV = "LIGHTNING_RESILIENCE_LINK_HOST"
 
 _HELLO = struct.Struct("<4sqI")
 _SIZE = struct.Struct("<q")
+_COPY_LIMIT = 1 << 16  # payloads from this size on are sent after their size, not copied behind it
 _MAGIC = b"LRL1"
 _RETRY_S = 0.05
 _HELLO_S = 5.0
@@ -180,9 +181,12 @@ class TcpLinks:
     ) -> list[bytes | None]:
         """Send ``payload`` (None: "I have nothing") to each of ``send_to``, then receive one payload from each of
         ``recv_from`` (in that order), by ``end``."""
-        message = _SIZE.pack(-1 if payload is None else len(payload)) + (payload or b"")
+        head = _SIZE.pack(-1 if payload is None else len(payload))
+        # a large payload (rank 0's subtree of records) goes as it is, after its size: no copy held under the GIL
+        parts = [head + (payload or b"")] if payload is None or len(payload) < _COPY_LIMIT else [head, payload]
         for dst in send_to:
-            self.send(dst, message, end)
+            for part in parts:
+                self.send(dst, part, end)
         out: list[bytes | None] = []
         for src in recv_from:
             (n,) = _SIZE.unpack(self.recv(src, _SIZE.size, end))

@@ -11,7 +11,10 @@ agreed vector from it and passes it down. A round is ``2 * depth`` hops (depth `
 talks to at most ``fanout + 1`` peers, and with a lazily connected gloo group (:mod:`lightning_resilience.collective`)
 it opens no other socket: the cost per rank does not grow with the number of ranks, the latency grows with its
 logarithm. :meth:`TreeAgreement.gather` sends one payload per rank up the same tree to rank 0 (the straggler
-exchange: records to one rank, never N records to every rank).
+exchange: records to one rank, never N records to every rank). Nothing on the way parses them: a rank sends up its own
+framed record followed by its children's blobs as they came, and rank 0 gets those blobs (:class:`Gathered`), so
+no rank's process does per-record work that grows with N; whoever reads them calls :meth:`Gathered.records` (rank 0's
+straggler scorer, in a process of its own).
 
 Every exchange goes through :meth:`SideGroup.exchange`: bounded by the group's timeout, typed errors, the fault hook.
 A failed round fails every later one at once, and the caller gets the error when it takes the result.
@@ -34,7 +37,7 @@ from typing import Any
 
 from lightning_resilience.collective import CollectiveTimeoutError, Deadline, SideGroup
 
-__all__ = ["AgreementStats", "Op", "Pending", "TreeAgreement", "combine"]
+__all__ = ["AgreementStats", "Gathered", "Op", "Pending", "TreeAgreement", "combine", "frame", "unframe"]
 
 log = logging.getLogger(__name__)
 
@@ -71,18 +74,53 @@ def _vector(fields: int) -> struct.Struct:
     return struct.Struct(f"<{fields}q")
 
 
-def _frame(records: Sequence[tuple[int, bytes]]) -> bytes:
-    return b"".join(struct.pack("<iI", rank, len(body)) + body for rank, body in records)
+_RECORD = struct.Struct("<iI")  # a framed record's head: the rank, the body's length
 
 
-def _unframe(data: bytes | None) -> list[tuple[int, bytes]]:
-    out, at = [], 0
-    while data is not None and at < len(data):
-        rank, size = struct.unpack_from("<iI", data, at)
-        at += 8
-        out.append((rank, data[at : at + size]))
-        at += size
+def frame(records: Sequence[tuple[int, bytes]]) -> bytes:
+    """``(rank, body)`` records as one blob; blobs concatenate into a blob of all their records."""
+    return b"".join(_RECORD.pack(rank, len(body)) + body for rank, body in records)
+
+
+def unframe(blobs: Sequence[bytes]) -> list[tuple[int, bytes]]:
+    """Every ``(rank, body)`` record of ``blobs`` (made by :func:`frame`, or concatenations of them), in rank order.
+
+    Raises:
+        ValueError: a blob is cut short (a record's length runs past its end).
+    """
+    out: list[tuple[int, bytes]] = []
+    for data in blobs:
+        at, end = 0, len(data)
+        while at < end:
+            if at + _RECORD.size > end:
+                raise ValueError(f"a gathered blob ends inside a record's head ({end - at} bytes left)")
+            rank, size = _RECORD.unpack_from(data, at)
+            at += _RECORD.size
+            if at + size > end:
+                raise ValueError(f"rank {rank}'s gathered record is cut short ({end - at} of {size} bytes)")
+            out.append((rank, bytes(data[at : at + size])))
+            at += size
+    out.sort(key=lambda record: record[0])
     return out
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """What a gather brought to rank 0, as it arrived: rank 0's own framed record and one blob per child holding the
+    records of its whole subtree, none of them parsed (empty on the other ranks). :meth:`records` reads them."""
+
+    blobs: tuple[bytes, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.blobs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.blobs)
+
+    def records(self) -> list[tuple[int, bytes]]:
+        """Every rank's ``(rank, payload)``, in rank order: work that grows with N, for whoever reads them."""
+        return unframe(self.blobs)
 
 
 @dataclass
@@ -122,7 +160,7 @@ class Pending:
         return self._done.is_set()
 
     def result(self, timeout: timedelta | None = None) -> Any:
-        """The agreed vector (a gather: rank 0 gets ``[(rank, payload), ...]`` in rank order, the others ``[]``).
+        """The agreed vector (a gather: a :class:`Gathered`, empty but on rank 0).
 
         Waits at most ``timeout`` (default: the group's); raises what the round raised, or
         :class:`CollectiveTimeoutError` when it has not finished in time (the agreement is broken from then on)."""
@@ -214,7 +252,7 @@ class TreeAgreement:
         pending = Pending(self, op, step)
         if not self.group.distributed:
             kind, body, _ = request
-            pending._set([(0, body)] if kind == "gather" else list(body))
+            pending._set(Gathered((frame([(0, body)]),)) if kind == "gather" else list(body))
             return pending
         with self._lock:
             if self._thread is None:
@@ -313,13 +351,14 @@ class TreeAgreement:
         except Exception as err:  # the peer's own round fails or times out: it says so
             log.warning("agreement %r: the last round's answer did not reach a peer at close (%s)", self.name, err)
 
-    def _gather(self, payload: bytes, pending: Pending) -> list[tuple[int, bytes]]:
+    def _gather(self, payload: bytes, pending: Pending) -> Gathered:
+        """Up the tree without parsing: this rank's framed record, then its children's blobs as they came (one
+        concatenation on the way up; rank 0 keeps them apart)."""
         deadline = Deadline(self.timeout)
-        records = [(self.group.rank, payload)]
+        blobs = [frame([(self.group.rank, payload)])]
         if self.children:
-            for part in self._exchange(None, [], self.children, pending, deadline):
-                records += _unframe(part)
+            blobs += [part for part in self._exchange(None, [], self.children, pending, deadline) if part]
         if self.parent is not None:
-            self._exchange(_frame(records), [self.parent], [], pending, deadline)
-            return []
-        return sorted(records)
+            self._exchange(b"".join(blobs), [self.parent], [], pending, deadline)
+            return Gathered()
+        return Gathered(tuple(blobs))

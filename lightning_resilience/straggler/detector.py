@@ -6,8 +6,9 @@ of each step since the previous exchange; the scores, change points and the ladd
 gathered records. Two ways to exchange:
 
 * along the tree of the step agreement to rank 0 alone (:meth:`StragglerDetector.with_tree`, what the Lightning
-  callback uses): issued without waiting, taken at a later step; rank 0 scores on a thread of its own and decides,
-  and the policy's next agreement tells the others. Nothing on a training thread grows with the number of ranks;
+  callback uses): issued without waiting, taken at a later step and handed unparsed to rank 0's scorer (a process of
+  its own by default), which decides; the policy's next agreement tells the others. Nothing in a training process
+  parses N records;
 * by an all-gather to every rank (``gather``, :meth:`StragglerDetector.from_process_group`): every rank runs the
   same computation on the same records and reaches the same decisions at the same step.
 
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_resilience.collective import SideGroup
-from lightning_resilience.step.agreement import Pending, TreeAgreement
+from lightning_resilience.step.agreement import Pending, TreeAgreement, unframe
 from lightning_resilience.straggler import presentation
 from lightning_resilience.straggler.config import StragglerConfig
 from lightning_resilience.straggler.episodes import Episodes
@@ -251,8 +252,7 @@ class StragglerDetector:
 
     @property
     def scoring(self) -> bool:
-        """Rank 0 of a tree is scoring an exchange (in its scoring process or thread): the scores, verdicts and
-        ladder are being updated, and the training thread reads them once it is done."""
+        """Rank 0 of a tree is scoring an exchange (in its scorer): its scores and ladder are read once it is done."""
         return self._scorer is not None and self._scorer.pending > 0
 
     def drain(self, *, wait: bool = True) -> list[Escalation]:
@@ -268,9 +268,10 @@ class StragglerDetector:
             self.scoreboard, self.episodes, self.history, self.nodes, self.node_index = state
         return decisions
 
-    def _score_bodies(self, step: int, bodies: list[bytes]) -> Scored:
-        """Where the scorer runs: decode and score one exchange; what the training process reads of it."""
-        decisions, board = self.consume(step, [decode_payload(b) for b in bodies]), self.scoreboard
+    def _score_bodies(self, step: int, blobs: Sequence[bytes]) -> Scored:
+        """Where the scorer runs: read, decode and score the blobs of one exchange; what the training process needs."""
+        payloads = [decode_payload(body) for _, body in unframe(blobs)]
+        decisions, board = self.consume(step, payloads), self.scoreboard
         scores = (board.relative, board.individual, board.job_last)
         return Scored(decisions, self.episodes, self.gathers, self._last_gather_step, scores)
 
@@ -281,8 +282,7 @@ class StragglerDetector:
 
     def _take(self, *, wait: bool) -> list[Escalation]:
         """Decisions of the scoring that finished, and the exchange in flight once it has arrived (or now, waiting,
-        before the next is issued). Rank 0's scorer (a process by default) decodes and scores every rank's timings:
-        work that grows with the number of ranks never runs on the training thread; the others have nothing to do."""
+        before the next is issued), handed to rank 0's scorer as it came; the other ranks have nothing to do."""
         decisions = self.drain(wait=False)
         pending = self._inflight
         if pending is None or not (wait or pending.done()):
@@ -298,8 +298,8 @@ class StragglerDetector:
                 group="straggler",
             ) from err
         self.gather_seconds += time.perf_counter() - pending.issued
-        if gathered:
-            self.start_scorer().submit(int(pending.step or 0), [body for _, body in gathered])
+        if gathered:  # handed on unparsed: nothing here grows with the number of ranks
+            self.start_scorer().submit(int(pending.step or 0), gathered.blobs)
         return decisions
 
     def start_scorer(self) -> Scorer:

@@ -2,13 +2,18 @@
 never a device tensor.
 
 Along the step agreement's tree (:meth:`~lightning_resilience.step.agreement.TreeAgreement.gather`), each rank's
-:data:`Payload` goes to rank 0 as JSON; or, for a detector used on its own, by an all-gather to every rank
-(:class:`GlooGather`), after which every rank computes the same verdicts from the same records.
+:data:`Payload` goes to rank 0 as a short JSON head (rank, node, steps, section names) and the timings as packed
+float64 (:func:`encode_payload`: about 0.65 KB for 10 steps of 7 sections, where JSON took 2.2 KB: rank 0 receives N
+of them every exchange); or, for a detector used on its own, by an all-gather to every rank (:class:`GlooGather`),
+after which every rank computes the same verdicts from the same records.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import struct
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -54,16 +59,44 @@ def gloo_gather(group: SideGroup) -> GatherFn:
     return GlooGather(group)
 
 
+_MAGIC = b"LRT1"
+_HEAD = struct.Struct("<4sI")  # magic, the JSON head's length; then the head, then the timings
+
+
 def encode_payload(payload: Payload) -> bytes:
-    """A payload as bytes for the tree exchange: JSON (plain values only; nothing is unpickled on the way back)."""
-    return json.dumps(payload, separators=(",", ":")).encode()
+    """A payload as bytes for the tree exchange: a JSON head (plain values only; nothing is unpickled on the way back)
+    and the timings packed as float64, step by step in the head's section order (every row has the same sections)."""
+    times = payload["times"]
+    sections = list(times[0]) if times else []
+    head = {k: v for k, v in payload.items() if k != "times"} | {"sections": sections}
+    values = array("d", (float(row.get(name, math.nan)) for row in times for name in sections))
+    if values.itemsize != 8:  # pragma: no cover - every CPython platform's C double
+        raise RuntimeError("straggler: this platform's C double is not 8 bytes")
+    text = json.dumps(head, separators=(",", ":")).encode()
+    return _HEAD.pack(_MAGIC, len(text)) + text + values.tobytes()
 
 
 def decode_payload(data: bytes) -> Payload:
-    payload = json.loads(data)
-    if not isinstance(payload, dict) or "rank" not in payload or not isinstance(payload.get("times"), list):
-        raise StragglerGatherError("straggler: a malformed payload arrived in the exchange of timings")
-    return payload
+    """The payload :func:`encode_payload` made (raises :class:`StragglerGatherError` for anything else)."""
+    try:
+        magic, size = _HEAD.unpack_from(data, 0)
+        if magic != _MAGIC:
+            raise ValueError(f"not a payload of timings (starts {bytes(data[:4])!r})")
+        head = json.loads(bytes(data[_HEAD.size : _HEAD.size + size]))
+        values = array("d")
+        values.frombytes(bytes(data[_HEAD.size + size :]))
+        sections, steps = head.pop("sections"), head.get("steps")
+        if not isinstance(sections, list) or not isinstance(steps, list) or "rank" not in head:
+            raise ValueError("its head lacks the rank, the steps or the sections")
+        if len(values) != len(sections) * len(steps):
+            raise ValueError(f"{len(values)} timings for {len(steps)} steps of {len(sections)} sections")
+    except (ValueError, struct.error, TypeError, AttributeError, KeyError) as err:
+        raise StragglerGatherError(
+            f"straggler: a malformed payload arrived in the exchange of timings ({err})"
+        ) from err
+    n = len(sections)
+    head["times"] = [dict(zip(sections, values[i * n : (i + 1) * n])) for i in range(len(steps))]
+    return cast(Payload, head)
 
 
 def node_layout(payloads: Sequence[Payload], world_size: int) -> tuple[list[str], list[int]]:

@@ -7,12 +7,13 @@ batch) it waits, up to the interpreter's switch interval (5 ms), so the scoring 
 measured on 2 CPU ranks, 3 ms per exchange of 10 steps, about 0.3 ms a step of a 70 ms step. A process has its
 own interpreter: the training process only sends the exchanged bytes and reads back the decisions.
 
-Both places take the same calls (:class:`Scorer`): ``submit`` an exchange (never waiting: a thread of the training
-process writes it to the pipe), ``take`` the finished ones in order (never waiting unless asked), ``state`` for the
-report, ``close``. The process is forked from the training process when the
-first exchange arrives, so it starts with the detector as it is then and never imports anything; it dies with its
-parent (``PR_SET_PDEATHSIG`` on Linux, and the closed pipe everywhere), ignores the signals the training process
-handles, and every wait on it has a deadline.
+Both places take the same calls (:class:`Scorer`): ``submit`` an exchange as it reached rank 0 (the gathered
+blobs, unparsed; never waiting: a thread of the training process writes each blob to the pipe as it is, without
+pickling a copy of it under the interpreter lock), ``take`` the finished ones in order (never waiting unless asked),
+``state`` for the report, ``close``. The process is forked from the training process before the first exchange
+(at setup), so it starts with the detector as it is then and never imports anything; it dies with its parent
+(``PR_SET_PDEATHSIG`` on Linux, and the closed pipe everywhere), ignores the signals the training process handles,
+and every wait on it has a deadline.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 import traceback
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -43,8 +44,9 @@ __all__ = ["Scored", "Scorer", "ScoringProcess", "ScoringThread", "open_scorer"]
 
 log = logging.getLogger(__name__)
 
-ScoreFn = Callable[[int, list[bytes]], "Scored"]
-"""Score one exchange: the step it was issued at and every rank's encoded payload."""
+ScoreFn = Callable[[int, Sequence[bytes]], "Scored"]
+"""Score one exchange: the step it was issued at and the gathered blobs of every rank's encoded payload
+(:func:`~lightning_resilience.step.agreement.unframe` reads them)."""
 StateFn = Callable[[], Any]
 """The scorer's whole state, for the report and the plot (read where the scoring ran)."""
 
@@ -72,7 +74,7 @@ class Scorer(Protocol):
     def pending(self) -> int:
         """Exchanges submitted and not yet taken."""
 
-    def submit(self, step: int, bodies: list[bytes]) -> None: ...
+    def submit(self, step: int, blobs: Sequence[bytes]) -> None: ...
 
     def take(self, *, wait: bool) -> list[Scored]:
         """The scored exchanges, oldest first: those finished (``wait``: all of them, within the deadline)."""
@@ -98,8 +100,8 @@ class ScoringThread:
     def pending(self) -> int:
         return len(self._futures)
 
-    def submit(self, step: int, bodies: list[bytes]) -> None:
-        self._futures.append(self._pool.submit(self._score, step, bodies))
+    def submit(self, step: int, blobs: Sequence[bytes]) -> None:
+        self._futures.append(self._pool.submit(self._score, step, blobs))
 
     def take(self, *, wait: bool) -> list[Scored]:
         out = []
@@ -155,8 +157,8 @@ class ScoringProcess:
     def pending(self) -> int:
         return self._pending
 
-    def submit(self, step: int, bodies: list[bytes]) -> None:
-        self._outbox.put(("score", step, bodies))
+    def submit(self, step: int, blobs: Sequence[bytes]) -> None:
+        self._outbox.put(("score", step, tuple(blobs)))
         self._pending += 1
 
     def take(self, *, wait: bool) -> list[Scored]:
@@ -189,6 +191,11 @@ class ScoringProcess:
         """The sender thread: the messages in order, until the sentinel or a pipe that is gone."""
         while (message := self._outbox.get()) is not None:
             try:
+                if message[0] == "score":  # the blobs as they are (megabytes at thousands of ranks): no pickled copy
+                    self._conn.send(("score", message[1], len(message[2])))
+                    for blob in message[2]:
+                        self._conn.send_bytes(blob)
+                    continue
                 self._conn.send(message)
             except OSError as err:  # the child is gone: the next result read says so
                 self._send_error = err
@@ -240,7 +247,11 @@ def _serve(conn: Any, parent_end: Any, score: ScoreFn, state: StateFn) -> None:
             if message[0] == "close":
                 break
             try:
-                reply = ("scored", score(message[1], message[2])) if message[0] == "score" else ("state", state())
+                if message[0] == "score":
+                    blobs = [conn.recv_bytes() for _ in range(message[2])]
+                    reply: tuple[str, Any] = ("scored", score(message[1], blobs))
+                else:
+                    reply = ("state", state())
             except Exception:  # sent to the parent, which raises it
                 reply = ("error", traceback.format_exc())
             conn.send(reply)

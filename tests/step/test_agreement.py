@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from lightning_resilience.collective import CollectiveError, CollectiveTimeoutError, SideGroup, set_fault_hook
-from lightning_resilience.step.agreement import Op, Pending, TreeAgreement, combine
+from lightning_resilience.step.agreement import Gathered, Op, Pending, TreeAgreement, combine, frame, unframe
 from tests._ranks import run_ranks
 
 OPS = [Op.MAX, Op.MIN, Op.AND, Op.OR, Op.SUM]
@@ -31,7 +31,7 @@ def test_one_process_agrees_at_once_with_itself() -> None:
     tree = TreeAgreement(SideGroup("step", timedelta(seconds=5), local=True))
     pending = tree.reduce([1, 2, 3, 4, 5], OPS, op="step.agree", step=0)
     assert pending.done() and pending.result() == [1, 2, 3, 4, 5]
-    assert tree.gather(b"x", op="g").result() == [(0, b"x")]
+    assert tree.gather(b"x", op="g").result().records() == [(0, b"x")]
     assert tree.depth == 0 and tree.parent is None and tree.children == []
 
 
@@ -65,7 +65,8 @@ def _scenario_rounds(rank: int, world: int, tmp: Path, fanout: int, transport: s
     group.close()
     return {
         "results": results,
-        "gathered": [[r, b.decode()] for r, b in got],
+        "gathered": [[r, b.decode()] for r, b in got.records()],
+        "blobs": len(got.blobs),
         "on_training_thread": sum(t == main for t in seen),
         "peers": len(tree.children) + (tree.parent is not None),
         "linked": linked,
@@ -86,6 +87,8 @@ def test_every_rank_gets_the_same_reduction_and_rank_0_the_gathered_payloads(
         assert all(res["results"][i] == expected for res in results), i
     assert results[0]["gathered"] == [[r, f"rank{r}"] for r in range(world)]
     assert all(res["gathered"] == [] for res in results[1:])
+    # rank 0 keeps what came unparsed: its own record and one blob per child, each holding its whole subtree
+    assert results[0]["blobs"] == 1 + min(fanout, world - 1) and all(res["blobs"] == 0 for res in results[1:])
     assert all(res["on_training_thread"] == 0 for res in results)  # every exchange ran on the agreement thread
     assert all(res["peers"] <= fanout + 1 for res in results)
     if transport == "tcp":  # a link to each tree neighbour, to no other rank
@@ -183,3 +186,44 @@ def test_close_gives_up_on_an_answer_a_peer_never_takes_within_its_bound() -> No
     tree.reduce([3], [Op.MAX], op="step.agree", step=0).result()
     assert tree.close(timedelta(seconds=0.2))  # logged; the thread ends within the bound
     assert group.sends[0].waited.is_set() and not group.sends[0].landed.is_set()
+
+
+def test_framed_blobs_concatenate_and_read_back_in_rank_order() -> None:
+    low, high = frame([(3, b"three"), (0, b"")]), frame([(7, b"seven" * 1000), (1, b"one")])
+    assert unframe([high + low]) == unframe([low, high]) == [(0, b""), (1, b"one"), (3, b"three"), (7, b"seven" * 1000)]
+    assert Gathered((low, high)).records() == unframe([low, high]) and Gathered((low,)).nbytes == len(low)
+    assert not Gathered() and unframe([]) == []
+    with pytest.raises(ValueError, match="cut short"):
+        unframe([high[:-1]])
+    with pytest.raises(ValueError, match="head"):
+        unframe([low + b"\x01\x00"])
+
+
+class _RootGroup:
+    """Rank 0 of ``world`` ranks (fanout 4): each child's blob of its subtree's records arrives at once."""
+
+    name, timeout, rank, distributed = "step", timedelta(seconds=30), 0, True
+
+    def __init__(self, world: int, parts: list[bytes]) -> None:
+        self.world_size, self.parts = world, parts
+
+    def exchange(self, payload: bytes | None, *, send_to: Any, recv_from: Any, **_: Any) -> list[bytes | None]:
+        assert payload is None and not send_to  # rank 0 only receives
+        return list(self.parts[: len(recv_from)])
+
+
+def test_rank_0_keeps_the_gathered_blobs_as_they_came_whatever_the_number_of_ranks() -> None:
+    """At 16,384 ranks rank 0 receives megabytes of records each exchange: the agreement thread (in the training
+    process, under its interpreter lock) neither parses nor copies them; whoever reads them calls ``records()``."""
+    world = 16_384
+    subtree = (world - 1) // 4 + 1
+    parts = [frame([(r, b"t" * 600) for r in range(1 + i, world, 4)][:subtree]) for i in range(4)]
+    tree = TreeAgreement(_RootGroup(world, parts))  # type: ignore[arg-type]
+    try:
+        got = tree.gather(b"mine", op="straggler.exchange", step=10).result()
+    finally:
+        tree.close()
+    assert got.blobs[0] == frame([(0, b"mine")])
+    assert all(blob is part for blob, part in zip(got.blobs[1:], parts))  # the very objects received
+    records = got.records()
+    assert [r for r, _ in records] == list(range(world)) and records[0] == (0, b"mine")

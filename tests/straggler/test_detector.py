@@ -12,6 +12,7 @@ import pytest
 from lightning_resilience.policy import Action
 from lightning_resilience.straggler import StragglerDetector, StragglerGatherError
 from lightning_resilience.straggler.config import StragglerConfig, StragglerLevelConfig
+from lightning_resilience.straggler.exchange import decode_payload, encode_payload
 from tests.straggler._sim import Cluster, FakeClock, jitter_cost
 
 STOP_LADDER = [
@@ -213,3 +214,30 @@ def test_clean_run_with_heavy_jitter_has_no_verdict() -> None:
     cluster = Cluster(2, StragglerConfig())
     cluster.run(2000, jitter_cost(21, sigma=0.15, common_sigma=0.1))
     assert cluster.verdicts == [], [v.describe() for v in cluster.verdicts]
+
+
+def test_a_payload_travels_as_a_json_head_and_packed_timings() -> None:
+    """What every rank sends up the tree each exchange (rank 0 receives N of them): the real payload of a detector,
+    read back as it was, and small (its timings packed, not written out as JSON)."""
+    clock = FakeClock()
+    config = StragglerConfig(warmup_steps=1, gather_every_n_steps=10)
+    detector = StragglerDetector(config, rank=0, world_size=2, gather=lambda p: [p], clock=clock, hostname="node0")
+    payload = None
+    for step in range(11):
+        detector.start_step()
+        with detector.section("forward"):
+            clock.advance(0.05)
+        detector.timer.end_step()
+        payload = detector.prepare(step) or payload  # end_step's first half: the payload at its cadence
+    assert payload is not None and len(payload["times"]) == 10
+    body = encode_payload(payload)
+    back = decode_payload(body)
+    assert back["rank"] == 0 and back["steps"] == payload["steps"] and back["host"] == payload["host"]
+    for got, sent in zip(back["times"], payload["times"]):
+        assert got.keys() == sent.keys()
+        assert all(g == s or (math.isnan(g) and math.isnan(s)) for g, s in zip(got.values(), sent.values()))
+    as_json = len(json.dumps(payload, separators=(",", ":")))
+    assert len(body) < 0.5 * as_json, (len(body), as_json)
+    for bad in (b"", b"{}", body[:-3], b"LRT1" + body[4:12] + b"not json"):
+        with pytest.raises(StragglerGatherError, match="malformed payload"):
+            decode_payload(bad)

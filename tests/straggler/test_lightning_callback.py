@@ -184,5 +184,7 @@ def test_ddp_spawn_two_ranks_name_the_slow_one_and_both_stop(tmp_path: Path) -> 
     assert {r["exit_code"] for r in records} == {STRAGGLER_EXIT_CODE}
     steps = {r["global_step"] for r in records}
     cadence = StragglerConfig().gather_every_n_steps
-    assert len(steps) == 1 and 30 < steps.pop() <= 30 + 12 + cadence + 1
+    # the scoring process runs on real time beside steps on a fake clock (no step waits for it): on a loaded machine
+    # its verdict may come with the next exchange rather than this one
+    assert len(steps) == 1 and 30 < steps.pop() <= 30 + 12 + 2 * cadence + 1
     assert records[0]["metrics"]["resilience/straggler/compute/slowest_rank"] == 1

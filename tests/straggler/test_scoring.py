@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
+from lightning_resilience.step.agreement import Gathered, frame
 from lightning_resilience.straggler import StragglerDetector
 from lightning_resilience.straggler.config import StragglerConfig
-from lightning_resilience.straggler.exchange import StragglerGatherError
+from lightning_resilience.straggler.exchange import StragglerGatherError, decode_payload, encode_payload
 from lightning_resilience.straggler.scoring import ScoringProcess, ScoringThread
 from tests.straggler._sim import FakeClock
 
@@ -25,15 +26,17 @@ WORLD = 3
 
 
 class _Arrived:
-    """A gather that has arrived: rank 0's view, every rank's body."""
+    """A gather that has arrived: rank 0's view, as the tree delivers it (its own record, then one blob of the
+    other ranks' records)."""
 
     def __init__(self, value: list[tuple[int, bytes]], step: int | None) -> None:
-        self.value, self.step, self.issued = value, step, time.perf_counter()
+        self.value = Gathered((frame(value[:1]), frame(value[1:])))
+        self.step, self.issued = step, time.perf_counter()
 
     def done(self) -> bool:
         return True
 
-    def result(self, timeout: Any = None) -> list[tuple[int, bytes]]:
+    def result(self, timeout: Any = None) -> Gathered:
         return self.value
 
 
@@ -50,14 +53,14 @@ class _Tree:
         self.gathers += 1
         bodies = []
         for r in range(WORLD):
-            payload = json.loads(body)
+            payload = decode_payload(body)
             payload["rank"] = r
             if r == self.slow:
                 payload["times"] = [
                     {k: v * self.factor for k, v in row.items()} if at >= self.onset else row
                     for at, row in zip(payload["steps"], payload["times"])
                 ]
-            bodies.append((r, json.dumps(payload).encode()))
+            bodies.append((r, encode_payload(payload)))
         return _Arrived(bodies, step)
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
@@ -257,18 +258,18 @@ class StragglerDetection(Callback):
             return
         self._logged_at = step
         metrics: dict[str, float] = {}
-        for name in detector.sections:
-            scores = detector.scores(name)
-            rel = scores["relative"] if detector.mode == "relative" else scores["individual"]
-            finite = [(v, r) for r, v in enumerate(rel) if math.isfinite(v)]
-            if not finite:
+        board = detector.scoreboard
+        for i, name in enumerate(detector.sections):
+            # one row of N scores: read in NumPy, never N Python floats on the training thread
+            row = board.relative[i] if detector.mode == "relative" else board.individual[i]
+            finite = np.isfinite(row)
+            if not finite.any():
                 continue
-            worst, worst_rank = max(finite)
+            worst_rank = int(np.argmax(np.where(finite, row, -np.inf)))
             metrics[f"resilience/straggler/{name}/slowest_rank"] = float(worst_rank)
-            metrics[f"resilience/straggler/{name}/max_score"] = worst
-            for v, r in finite:
-                if r < self.max_logged_ranks:
-                    metrics[f"resilience/straggler/{name}/score/rank_{r}"] = v
+            metrics[f"resilience/straggler/{name}/max_score"] = float(row[worst_rank])
+            for r in np.flatnonzero(finite[: self.max_logged_ranks]):
+                metrics[f"resilience/straggler/{name}/score/rank_{r}"] = float(row[r])
         if math.isfinite(detector.scoreboard.job_last):
             metrics["resilience/straggler/job/slowdown"] = detector.scoreboard.job_last
         metrics["resilience/straggler/verdicts"] = float(len(detector.verdicts))

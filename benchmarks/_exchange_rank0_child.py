@@ -1,0 +1,126 @@
+"""Rank 0 of N ranks for ``benchmarks.exchange_rank0``, run as a script so that the suite comes from whichever source
+tree ``PYTHONPATH`` names (this one or an earlier commit's): ``python _exchange_rank0_child.py RANKS STEPS STEP_MS``
+prints one JSON line. Imports nothing of ``benchmarks``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from array import array
+from typing import Any
+
+BLOCK = 50
+CHUNK_S = 1e-4
+_SECTIONS = ("backward", "compute", "data", "forward", "optimizer", "step", "wait")
+
+
+def _child(ranks: int, steps: int, step_ms: float) -> dict[str, Any]:
+    """Rank 0 of ``ranks`` ranks, in this process; the source tree is whatever ``sys.path`` finds first."""
+    import random
+    from datetime import timedelta
+
+    import lightning_resilience
+    from lightning_resilience.step import agreement
+    from lightning_resilience.straggler import StragglerDetector
+    from lightning_resilience.straggler.config import StragglerConfig
+    from lightning_resilience.straggler.exchange import encode_payload
+
+    frame = getattr(agreement, "frame", None) or agreement._frame  # type: ignore[attr-defined]  # an earlier tree
+    rng = random.Random(0)
+    config = StragglerConfig()
+    every = config.gather_every_n_steps
+
+    def payload(rank: int) -> bytes:
+        times = [{s: rng.uniform(0.001, 0.05) for s in _SECTIONS} for _ in range(every)]
+        host = f"node{rank // 8:05d}"
+        return encode_payload({"rank": rank, "host": host, "local_world_size": 8, "steps": [0] * every, "times": times})
+
+    bodies = [payload(r) for r in range(1, ranks)]
+    blobs = [frame([(r, bodies[r - 1]) for r in range(1 + i, ranks, 4)]) for i in range(4)]
+
+    class RootGroup:
+        name, timeout, rank, world_size, distributed = "step", timedelta(seconds=120), 0, ranks, True
+
+        def exchange(self, payload: Any, *, send_to: Any, recv_from: Any, **_: Any) -> list[Any]:
+            return [bytes(bytearray(b)) for b in blobs[: len(recv_from)]]  # a receive's buffer and its copy
+
+    tree = agreement.TreeAgreement(RootGroup())  # type: ignore[arg-type]
+    detector = StragglerDetector.with_tree(config, tree)
+    scorer = detector.start_scorer()
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pid = getattr(scorer, "pid", None)
+    if len(cores) >= 2 and pid is not None:  # the scorer on a core of its own: the training thread keeps one
+        os.sched_setaffinity(pid, cores[-1:])
+    unit = _calibrate()
+    chunk = max(1, round(CHUNK_S / unit))  # the training thread's work in slices of about 0.1 ms
+    per_step = max(1, round(step_ms / 1e3 / (chunk * unit)))
+    durations = array("d", bytes(8 * steps * per_step))
+    hooks = 0.0
+    for i in range(steps):
+        on = (i // BLOCK) % 2 == 1  # off first: the scorer process is forked, the first exchange not yet issued
+        t0 = time.perf_counter()
+        if on:
+            detector.start_step()
+        t1 = time.perf_counter()
+        at = i * per_step
+        for c in range(per_step):
+            t = time.perf_counter()
+            _work(chunk)
+            durations[at + c] = time.perf_counter() - t
+        t2 = time.perf_counter()
+        if on:
+            detector.end_step(i)
+            hooks += (t1 - t0) + (time.perf_counter() - t2)
+    exchanges = detector.gathers  # no close: it would wait for the scoring of the exchanges still queued
+    if pid is not None:  # reaped here, so that its CPU counts as the benchmark's own, not another process's
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    on_steps = [i for i in range(steps) if (i // BLOCK) % 2 == 1]
+    off_steps = [i for i in range(steps) if (i // BLOCK) % 2 == 0]
+    base = statistics.median(durations[i * per_step + c] for i in off_steps for c in range(per_step))
+
+    def stalls(which: list[int]) -> tuple[float, float]:
+        """Time the slices of these steps lost beyond twice their usual length: the thread held up (by the
+        interpreter lock, or the scheduler), not the machine's drift; and the longest such hold."""
+        lost = [d - base for i in which for d in durations[i * per_step : (i + 1) * per_step] if d > 2 * base]
+        return sum(lost) / len(which), max(lost, default=0.0)
+
+    (stall_on, worst_on), (stall_off, worst_off) = stalls(on_steps), stalls(off_steps)
+    return {
+        "suite": lightning_resilience.__file__,
+        "ranks": ranks,
+        "slice_s": base,
+        "step_s": base * per_step,
+        "hooks_s_per_step": hooks / len(on_steps),
+        "stall_s_per_step_on": stall_on,
+        "stall_s_per_step_off": stall_off,
+        "worst_hold_on_s": worst_on,
+        "worst_hold_off_s": worst_off,
+        "gather_every_n_steps": every,
+        "exchanges": exchanges,
+        "bytes_at_rank0": sum(len(b) for b in blobs),
+        "bytes_per_rank": statistics.fmean(len(b) for b in bodies),
+    }
+
+
+def _work(n: int) -> None:
+    x = 0
+    for _ in range(n):
+        for k in range(200):
+            x += k
+
+
+def _calibrate() -> float:
+    """Seconds of one unit of :func:`_work` on this thread."""
+    t0 = time.perf_counter()
+    _work(500)
+    return (time.perf_counter() - t0) / 500
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]))), flush=True)
+    os._exit(0)  # the scoring process dies with this one
