@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_resilience.collective import SideGroup
-from lightning_resilience.step.agreement import Pending, TreeAgreement, unframe
+from lightning_resilience.step.agreement import Pending, TreeAgreement
 from lightning_resilience.straggler import presentation
 from lightning_resilience.straggler.config import StragglerConfig
 from lightning_resilience.straggler.episodes import Episodes
@@ -45,7 +45,7 @@ from lightning_resilience.straggler.exchange import (
     GatherFn,
     Payload,
     StragglerGatherError,
-    decode_payload,
+    decode_gathered,
     encode_payload,
     gloo_gather,
     node_layout,
@@ -270,8 +270,7 @@ class StragglerDetector:
 
     def _score_bodies(self, step: int, blobs: Sequence[bytes]) -> Scored:
         """Where the scorer runs: read, decode and score the blobs of one exchange; what the training process needs."""
-        payloads = [decode_payload(body) for _, body in unframe(blobs)]
-        decisions, board = self.consume(step, payloads), self.scoreboard
+        decisions, board = self.consume(step, decode_gathered(blobs)), self.scoreboard
         scores = (board.relative, board.individual, board.job_last)
         return Scored(decisions, self.episodes, self.gathers, self._last_gather_step, scores)
 

@@ -18,12 +18,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from lightning_resilience.collective import CollectiveError, SideGroup
+from lightning_resilience.step.agreement import unframe
 
 __all__ = [
     "GatherFn",
     "GlooGather",
     "Payload",
     "StragglerGatherError",
+    "decode_gathered",
     "decode_payload",
     "encode_payload",
     "gloo_gather",
@@ -97,6 +99,16 @@ def decode_payload(data: bytes) -> Payload:
     n = len(sections)
     head["times"] = [dict(zip(sections, values[i * n : (i + 1) * n])) for i in range(len(steps))]
     return cast(Payload, head)
+
+
+def decode_gathered(blobs: Sequence[bytes]) -> list[Payload]:
+    """Every rank's payload of one exchange, in rank order, from the blobs the tree brought to rank 0 (read where the
+    scoring runs: the work grows with N)."""
+    try:
+        records = unframe(blobs)
+    except ValueError as err:
+        raise StragglerGatherError(f"straggler: the exchange of timings arrived malformed ({err})") from err
+    return [decode_payload(body) for _, body in records]
 
 
 def node_layout(payloads: Sequence[Payload], world_size: int) -> tuple[list[str], list[int]]:

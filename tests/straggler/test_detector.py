@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from lightning_resilience.policy import Action
+from lightning_resilience.step.agreement import frame
 from lightning_resilience.straggler import StragglerDetector, StragglerGatherError
 from lightning_resilience.straggler.config import StragglerConfig, StragglerLevelConfig
-from lightning_resilience.straggler.exchange import decode_payload, encode_payload
+from lightning_resilience.straggler.exchange import decode_gathered, decode_payload, encode_payload
 from tests.straggler._sim import Cluster, FakeClock, jitter_cost
 
 STOP_LADDER = [
@@ -241,3 +242,8 @@ def test_a_payload_travels_as_a_json_head_and_packed_timings() -> None:
     for bad in (b"", b"{}", body[:-3], b"LRT1" + body[4:12] + b"not json"):
         with pytest.raises(StragglerGatherError, match="malformed payload"):
             decode_payload(bad)
+    other = encode_payload(payload | {"rank": 1})
+    blobs = [frame([(1, other)]), frame([(0, body)])]  # as the tree brings them: rank 0's scorer reads them
+    assert [p["rank"] for p in decode_gathered(blobs)] == [0, 1]
+    with pytest.raises(StragglerGatherError, match="arrived malformed"):
+        decode_gathered([blobs[0][:-1]])
