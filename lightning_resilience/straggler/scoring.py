@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 ScoreFn = Callable[[int, Sequence[bytes]], "Scored"]
 """Score one exchange: the step it was issued at and the gathered blobs of every rank's encoded payload
-(:func:`~lightning_resilience.step.agreement.unframe` reads them)."""
+(:func:`~lightning_resilience.straggler.exchange.decode_gathered` reads them)."""
 StateFn = Callable[[], Any]
 """The scorer's whole state, for the report and the plot (read where the scoring ran)."""
 
