@@ -24,6 +24,7 @@ def _child(ranks: int, steps: int, step_ms: float) -> dict[str, Any]:
     from datetime import timedelta
 
     import lightning_resilience
+    from lightning_resilience import links
     from lightning_resilience.step import agreement
     from lightning_resilience.straggler import StragglerDetector
     from lightning_resilience.straggler.config import StragglerConfig
@@ -42,11 +43,33 @@ def _child(ranks: int, steps: int, step_ms: float) -> dict[str, Any]:
     bodies = [payload(r) for r in range(1, ranks)]
     blobs = [frame([(r, bodies[r - 1]) for r in range(1 + i, ranks, 4)]) for i in range(4)]
 
+    # what the children send, in a file of memory: a receive is the kernel's copy from it (os.preadv, as recv_into,
+    # with the interpreter released) into the buffer the tree's receive uses, then what that receive does with it
+    source = os.memfd_create("children")
+    offsets = [0]
+    for blob in blobs:
+        offsets.append(offsets[-1] + os.pwrite(source, blob, offsets[-1]))
+    shared = getattr(links, "SharedBuffer", None)  # an earlier tree receives into a bytearray and copies it
+
     class RootGroup:
         name, timeout, rank, world_size, distributed = "step", timedelta(seconds=120), 0, ranks, True
 
         def exchange(self, payload: Any, *, send_to: Any, recv_from: Any, **_: Any) -> list[Any]:
-            return [bytes(bytearray(b)) for b in blobs[: len(recv_from)]]  # a receive's buffer and its copy
+            out = []
+            for i in range(len(recv_from)):  # links._recv_exact of an earlier tree: a zeroed buffer, filled, copied
+                buf = bytearray(offsets[i + 1] - offsets[i])
+                os.preadv(source, [buf], offsets[i])
+                out.append(bytes(buf))
+            return out
+
+        def receive(self, recv_from: Any, **_: Any) -> list[Any]:
+            out = []
+            for i in range(len(recv_from)):  # links.TcpLinks.receive: shared memory, filled by the kernel
+                buf = shared(offsets[i + 1] - offsets[i])
+                with memoryview(buf) as view:
+                    os.preadv(source, [view], offsets[i])
+                out.append(buf)
+            return out
 
     tree = agreement.TreeAgreement(RootGroup())  # type: ignore[arg-type]
     detector = StragglerDetector.with_tree(config, tree)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from lightning_resilience._plain_pickle import loads_plain
 from lightning_resilience.deadline import CollectiveError, CollectiveTimeoutError, Deadline
-from lightning_resilience.links import TcpLinks
+from lightning_resilience.links import Blob, TcpLinks
 
 __all__ = [
     "CollectiveError",
@@ -295,6 +295,20 @@ class SideGroup:
             for work in pending:
                 _wait(work, timeout)
         return out
+
+    def receive(
+        self, recv_from: Sequence[int], *, op: str, step: int | None = None, deadline: Deadline | None = None
+    ) -> list[Blob | None]:
+        """:meth:`exchange` that only receives; over a tcp group a large payload lands in a
+        :class:`~lightning_resilience.links.SharedBuffer` (another process can map it), over gloo it is bytes."""
+        links = self._link.tcp
+        if links is None:
+            return list(self.exchange(None, send_to=[], recv_from=recv_from, op=op, step=step, deadline=deadline))
+        if not self._enter(op, step, p2p=True):
+            return [None for _ in recv_from]
+        timeout = self._bound(op, deadline)
+        with self._guard(op, timeout):
+            return links.receive(recv_from, time.monotonic() + timeout.total_seconds())
 
     def swap(
         self,

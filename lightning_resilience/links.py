@@ -13,22 +13,28 @@ the higher rank connecting to the lower, which accepts; the first bytes each way
 so a stale address (a port of an earlier attempt, reused since) is refused on both sides. A rank opens one socket
 per peer it talks to: with the agreement's tree that is at most ``fanout + 1``, whatever the number of ranks.
 
+Large payloads received by :meth:`TcpLinks.receive` land in a :class:`SharedBuffer`: memory the kernel fills in the
+receive (its pages come on first touch, there, with the interpreter released) and that another process can map, so
+the receiver hands them on by descriptor instead of copying them under the interpreter lock.
+
 Errors: a peer that closed its end raises :class:`ConnectionError`; a wait past its bound raises
 :class:`TimeoutError`. The caller turns both into its typed errors.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import struct
 import time
+import weakref
 import zlib
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["HOST_ENV", "TcpLinks", "link_host"]
+__all__ = ["HOST_ENV", "Blob", "SharedBuffer", "TcpLinks", "link_host"]
 
 HOST_ENV = "LIGHTNING_RESILIENCE_LINK_HOST"
 """The address peers reach this rank's links at (default: this host's address on the route to ``MASTER_ADDR``)."""
@@ -39,6 +45,41 @@ _COPY_LIMIT = 1 << 16  # payloads from this size on are sent after their size, n
 _MAGIC = b"LRL1"
 _RETRY_S = 0.05
 _HELLO_S = 5.0
+
+
+class SharedBuffer(mmap.mmap):
+    """``size`` bytes of anonymous shared memory (a memfd, Linux): a buffer like any other (``len``, slices,
+    ``memoryview``, ``bytes.join``) whose descriptor :attr:`fd` another process can receive (``SCM_RIGHTS``) and map,
+    instead of being sent a copy. The descriptor closes when the buffer is collected."""
+
+    fd: int
+
+    def __new__(cls, size: int) -> SharedBuffer:
+        if size <= 0:
+            raise ValueError(f"a shared buffer needs at least one byte, got {size}")
+        fd = os.memfd_create("lightning-resilience-payload", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            self = super().__new__(cls, fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        weakref.finalize(self, os.close, fd)
+        return self
+
+    @classmethod
+    def holding(cls, data: bytes | memoryview) -> SharedBuffer:
+        """A shared buffer holding a copy of ``data`` (written by the kernel, the interpreter released; one zero byte
+        when ``data`` is empty, as a mapping needs one)."""
+        out = cls(max(1, len(data)))
+        os.pwrite(out.fd, data, 0)
+        return out
+
+
+Blob = bytes | mmap.mmap
+"""A received payload: bytes, or a large one in mapped memory (a :class:`SharedBuffer` where it was received, its
+mapping in the process it was handed to)."""
 
 
 def link_host() -> str:
@@ -176,6 +217,10 @@ class TcpLinks:
         """``n`` bytes from ``peer`` by ``end`` (monotonic)."""
         return _recv_exact(self._peer(peer, end), n, end, who=peer)
 
+    def _recv_payload(self, peer: int, end: float) -> bytes | None:
+        (n,) = _SIZE.unpack(self.recv(peer, _SIZE.size, end))
+        return None if n < 0 else self.recv(peer, n, end)
+
     def exchange(
         self, payload: bytes | None, send_to: Sequence[int], recv_from: Sequence[int], end: float
     ) -> list[bytes | None]:
@@ -187,10 +232,22 @@ class TcpLinks:
         for dst in send_to:
             for part in parts:
                 self.send(dst, part, end)
-        out: list[bytes | None] = []
+        return [self._recv_payload(src, end) for src in recv_from]
+
+    def receive(self, recv_from: Sequence[int], end: float) -> list[Blob | None]:
+        """The receiving half of :meth:`exchange`, by ``end``: one payload from each of ``recv_from``, a large one
+        (64 KiB or more) in a :class:`SharedBuffer` where the platform has them (filled by the kernel: no copy
+        under the interpreter lock, and another process can map it)."""
+        out: list[Blob | None] = []
         for src in recv_from:
             (n,) = _SIZE.unpack(self.recv(src, _SIZE.size, end))
-            out.append(None if n < 0 else self.recv(src, n, end))
+            if n < _COPY_LIMIT or not hasattr(os, "memfd_create"):
+                out.append(None if n < 0 else self.recv(src, n, end))
+                continue
+            buf = SharedBuffer(n)
+            with memoryview(buf) as view:
+                _recv_into(self._peer(src, end), view, end, who=src)
+            out.append(buf)
         return out
 
     def swap(self, sends: Sequence[tuple[int, bytes]], recvs: Sequence[tuple[int, int]], end: float) -> list[bytes]:

@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_resilience.collective import CollectiveError, SideGroup
-from lightning_resilience.links import HOST_ENV, TcpLinks, link_host
+from lightning_resilience.links import HOST_ENV, SharedBuffer, TcpLinks, link_host
 from tests._ranks import run_ranks
 
 
@@ -43,6 +43,39 @@ def test_two_ranks_exchange_payloads_and_fixed_size_messages_over_one_link_each_
     assert low.peers == [1] and high.peers == [0]
     low.close()
     high.close()
+
+
+def test_a_large_payload_is_received_into_shared_memory_another_process_can_map() -> None:
+    """What rank 0 receives in a straggler exchange (megabytes at thousands of ranks) lands in a memfd the kernel fills
+    in the receive; small payloads and "nothing" arrive as before."""
+    store = dist.HashStore()
+    low, high1, high2 = (TcpLinks(store, "g/s", r, host="127.0.0.1") for r in range(3))
+    big = bytes(range(256)) * 1024  # 256 KiB
+    senders = [
+        threading.Thread(target=lambda: high1.exchange(big, [0], [], _end())),
+        threading.Thread(target=lambda: high2.exchange(b"small", [0], [], _end())),
+    ]
+    for t in senders:
+        t.start()
+    got = low.receive([1, 2], _end())
+    for t in senders:
+        t.join(10)
+    assert isinstance(got[0], SharedBuffer) and got[0][:] == big and got[1] == b"small"
+    with open(f"/proc/self/fd/{got[0].fd}", "rb") as mapped_elsewhere:  # what a process handed the descriptor reads
+        assert mapped_elsewhere.read() == big
+    none_sender = threading.Thread(target=lambda: high1.exchange(None, [0], [], _end()))
+    none_sender.start()
+    assert low.receive([1], _end()) == [None]
+    none_sender.join(10)
+    for links in (low, high1, high2):
+        links.close()
+
+
+def test_a_shared_buffer_needs_a_byte_and_holds_a_copy() -> None:
+    with pytest.raises(ValueError, match="at least one byte"):
+        SharedBuffer(0)
+    held = SharedBuffer.holding(b"abc")
+    assert held[:] == b"abc" and len(SharedBuffer.holding(b"")) == 1
 
 
 def test_a_stale_address_is_refused_and_the_right_peer_still_connects() -> None:

@@ -36,6 +36,7 @@ from functools import lru_cache, partial
 from typing import Any
 
 from lightning_resilience.collective import CollectiveTimeoutError, Deadline, SideGroup
+from lightning_resilience.links import Blob
 
 __all__ = ["AgreementStats", "Gathered", "Op", "Pending", "TreeAgreement", "combine", "frame", "unframe"]
 
@@ -82,7 +83,7 @@ def frame(records: Sequence[tuple[int, bytes]]) -> bytes:
     return b"".join(_RECORD.pack(rank, len(body)) + body for rank, body in records)
 
 
-def unframe(blobs: Sequence[bytes]) -> list[tuple[int, bytes]]:
+def unframe(blobs: Sequence[Blob]) -> list[tuple[int, bytes]]:
     """Every ``(rank, body)`` record of ``blobs`` (made by :func:`frame`, or concatenations of them), in rank order.
 
     Raises:
@@ -109,7 +110,7 @@ class Gathered:
     """What a gather brought to rank 0, as it arrived: rank 0's own framed record and one blob per child holding the
     records of its whole subtree, none of them parsed (empty on the other ranks). :meth:`records` reads them."""
 
-    blobs: tuple[bytes, ...] = ()
+    blobs: tuple[Blob, ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.blobs)
@@ -353,11 +354,12 @@ class TreeAgreement:
 
     def _gather(self, payload: bytes, pending: Pending) -> Gathered:
         """Up the tree without parsing: this rank's framed record, then its children's blobs as they came (one
-        concatenation on the way up; rank 0 keeps them apart)."""
+        concatenation on the way up; rank 0 keeps them apart, large ones in shared memory, as received)."""
         deadline = Deadline(self.timeout)
-        blobs = [frame([(self.group.rank, payload)])]
+        blobs: list[Blob] = [frame([(self.group.rank, payload)])]
         if self.children:
-            blobs += [part for part in self._exchange(None, [], self.children, pending, deadline) if part]
+            got = self.group.receive(self.children, op=pending.op, step=pending.step, deadline=deadline)
+            blobs += [part for part in got if part]
         if self.parent is not None:
             self._exchange(b"".join(blobs), [self.parent], [], pending, deadline)
             return Gathered()

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_resilience.straggler.scores import nanmedian_columns
+
 __all__ = ["MIN_HISTORY", "ChangePointEvents", "RobustCusum"]
 
 MIN_HISTORY = 8
@@ -157,8 +159,10 @@ class RobustCusum:
         if not ready.size:
             return
         hist = self._hist[:, ready]
-        median = np.median if np.all(self._hist_idx[ready] >= self.window) else np.nanmedian  # unfilled slots: NaN
-        mad = median(np.abs(hist - median(hist, axis=0)), axis=0)
+        if np.all(self._hist_idx[ready] >= self.window):
+            mad = np.median(np.abs(hist - np.median(hist, axis=0)), axis=0)
+        else:  # unfilled slots: NaN
+            mad = nanmedian_columns(np.abs(hist - nanmedian_columns(hist)))
         # few samples give a rough estimate: take its upper side (x1.35 from 8 samples, x1.125 from 64)
         n = np.minimum(self._hist_idx[ready], self.window)
         self._scales[(self._updates // MIN_HISTORY) % _SCALE_MEMORY, ready] = _MAD_TO_SIGMA * mad * (1 + n**-0.5)

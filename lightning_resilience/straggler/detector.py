@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_resilience.collective import SideGroup
+from lightning_resilience.links import Blob
 from lightning_resilience.step.agreement import Pending, TreeAgreement
 from lightning_resilience.straggler import presentation
 from lightning_resilience.straggler.config import StragglerConfig
@@ -45,10 +46,12 @@ from lightning_resilience.straggler.exchange import (
     GatherFn,
     Payload,
     StragglerGatherError,
+    Table,
     decode_gathered,
     encode_payload,
     gloo_gather,
     node_layout,
+    table_of,
 )
 from lightning_resilience.straggler.kernels import KERNELS, NvrxKernelScores, open_kernel_scores
 from lightning_resilience.straggler.policy import Escalation, StragglerFinding
@@ -62,7 +65,7 @@ __all__ = ["AUTO_SECTIONS", "StragglerDetector"]
 log = logging.getLogger(__name__)
 
 AUTO_SECTIONS = (COMPUTE, DATA)  # tested when the configuration names none
-_HISTORY_CAP = 20_000  # gathered samples kept for the plot and the report
+_HISTORY_CAP, _HISTORY_VALUES = 20_000, 2_000_000  # samples kept for the plot and the report; timings in them
 
 
 class StragglerDetector:
@@ -141,7 +144,8 @@ class StragglerDetector:
         self._last_gather_step: int | None = None
         self.nodes: list[str] = [""] * world_size
         self.node_index: list[int] = list(range(world_size))
-        self.history: deque[tuple[int, dict[str, list[float]]]] = deque(maxlen=_HISTORY_CAP)
+        cap = max(64, self.config.confirm_steps, min(_HISTORY_CAP, _HISTORY_VALUES // (4 * world_size)))
+        self.history: deque[tuple[int, dict[str, list[float]]]] = deque(maxlen=cap)  # the newest samples
         """Per exchange: (step, {section: seconds per rank}) for step, compute, data and wait."""
         self.last_decisions: list[Escalation] = []
         self.gathers = 0
@@ -268,7 +272,7 @@ class StragglerDetector:
             self.scoreboard, self.episodes, self.history, self.nodes, self.node_index = state
         return decisions
 
-    def _score_bodies(self, step: int, blobs: Sequence[bytes]) -> Scored:
+    def _score_bodies(self, step: int, blobs: Sequence[Blob]) -> Scored:
         """Where the scorer runs: read, decode and score the blobs of one exchange; what the training process needs."""
         decisions, board = self.consume(step, decode_gathered(blobs)), self.scoreboard
         scores = (board.relative, board.individual, board.job_last)
@@ -353,34 +357,30 @@ class StragglerDetector:
         self.gather_seconds += time.perf_counter() - t0
         return gathered
 
-    def consume(self, step: int, payloads: Sequence[Payload]) -> list[Escalation]:
-        """Update scores, change points and the ladder from every rank's payload, one gathered step at a time; act
-        on and return the decisions.
-
-        Deterministic in ``payloads``: ranks that consume the same payloads take the same decisions."""
-        by_rank = sorted(payloads, key=lambda p: int(p["rank"]))
-        if [int(p["rank"]) for p in by_rank] != list(range(self.world_size)):
+    def consume(self, step: int, payloads: Sequence[Payload] | Table) -> list[Escalation]:
+        """Update scores, change points and the ladder from every rank's payload (dicts, or a :class:`~.exchange.Table`)
+        one gathered step at a time; act on and return the decisions. Deterministic in ``payloads``."""
+        table = payloads if isinstance(payloads, Table) else table_of(payloads)
+        if table.ranks != list(range(self.world_size)):
             raise StragglerGatherError(f"straggler: expected one payload per rank 0..{self.world_size - 1}")
         self.gathers += 1
         if self.gathers == 1:  # host names and ranks per node travel with every exchange; read once
-            self.nodes, self.node_index = node_layout(by_rank, self.world_size)
-        samples = min(len(p["times"]) for p in by_rank)
-        steps = list(by_rank[0].get("steps") or [])[:samples]
+            self.nodes, self.node_index = node_layout(table.hosts, table.local_world_sizes, self.world_size)
+        missing = np.full(self.world_size, np.nan)
+        names = [*self._payload_sections, *([KERNELS] if KERNELS in self.sections else [])]
         decisions: list[Escalation] = []
-        for j in range(samples):
-            at = int(steps[j]) if j < len(steps) else step
-            decisions += self._score(at, [p["times"][j] for p in by_rank])
+        for j in range(table.times.shape[1]):
+            at = int(table.steps[j]) if j < len(table.steps) else step
+            column = {name: c if (c := table.column(j, name)) is not None else missing for name in names}
+            decisions += self._score(at, column)
         decisions.sort(key=lambda d: (d.action.severity, d.verdict.rank))
         self.episodes.act(decisions)
         return decisions
 
-    def _score(self, step: int, rows: Sequence[dict[str, float]]) -> list[Escalation]:
+    def _score(self, step: int, column: dict[str, np.ndarray]) -> list[Escalation]:
         """One gathered step: every rank's seconds per section."""
         previous = self._last_gather_step
         self._last_gather_step = step
-        column = {name: np.array([float(r.get(name, np.nan)) for r in rows]) for name in self._payload_sections}
-        if KERNELS in self.sections:
-            column[KERNELS] = np.array([float(r.get(KERNELS, np.nan)) for r in rows])
         data = column[DATA]
         work = column[COMPUTE] + np.where(np.isnan(data), 0.0, data)  # no data wait measured (after a pause)
         self.history.append((step, {k: column[k].tolist() for k in (STEP, COMPUTE, DATA, WAIT)}))

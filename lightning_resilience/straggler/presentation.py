@@ -3,11 +3,11 @@ times with the verdicts marked."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
-import statistics
-from collections.abc import Iterable
+from collections.abc import Reversible
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -152,15 +152,24 @@ def _fmt_x(value: float) -> str:
     return "n/a" if not np.isfinite(value) else f"{value:.2f}x"
 
 
-def waited_for(history: Iterable[tuple[int, dict[str, list[float]]]], rank: int, last: int) -> str:
+def waited_for(history: Reversible[tuple[int, dict[str, list[float]]]], rank: int, last: int) -> str:
     """Who waits for whom over the ``last`` gathered steps of ``history``: the median collective wait per step of
     the other ranks, and of ``rank`` ('' when waits are not measured)."""
-    recent = [waits for _, s in list(history)[-last:] if (waits := s.get(WAIT))]
-    others = [w for row in recent for r, w in enumerate(row) if r != rank and math.isfinite(w)]
-    own = [row[rank] for row in recent if rank < len(row) and math.isfinite(row[rank])]
-    if not others or not own:
+    tail = list(itertools.islice(reversed(history), last))  # the newest ``last``: never the whole history
+    recent = [np.asarray(waits, dtype=np.float64) for _, s in reversed(tail) if (waits := s.get(WAIT))]
+    recent = [row for row in recent if rank < row.size]
+    if not recent:
+        return ""
+    rows = np.stack(recent) if len({row.size for row in recent}) == 1 else None
+    if rows is None:  # ranks came and went within the window: row by row
+        others = np.concatenate([np.delete(row, rank) for row in recent])
+        own = np.array([row[rank] for row in recent])
+    else:  # N values a row: NumPy, not a Python float each
+        others, own = np.delete(rows, rank, axis=1).ravel(), rows[:, rank]
+    others, own = others[np.isfinite(others)], own[np.isfinite(own)]
+    if not others.size or not own.size:
         return ""
     return (
-        f"the other ranks waited {statistics.median(others) * 1e3:.1f} ms per step in collectives, "
-        f"rank {rank} {statistics.median(own) * 1e3:.1f} ms"
+        f"the other ranks waited {float(np.median(others)) * 1e3:.1f} ms per step in collectives, "
+        f"rank {rank} {float(np.median(own)) * 1e3:.1f} ms"
     )

@@ -11,7 +11,23 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["IndividualBaseline", "excess_slowdowns", "leave_one_out_reference", "relative_slowdowns"]
+__all__ = [
+    "IndividualBaseline",
+    "excess_slowdowns",
+    "leave_one_out_reference",
+    "nanmedian_columns",
+    "relative_slowdowns",
+]
+
+
+def nanmedian_columns(a: np.ndarray) -> np.ndarray:
+    """``np.nanmedian(a, axis=0)`` of a 2-D array by one sort (NumPy takes a masked-array path for short columns:
+    0.1 s for 64 x 115k at 16,384 ranks); NaN where a column has no value."""
+    ordered = np.sort(a, axis=0)  # NaN sort last
+    k = np.count_nonzero(~np.isnan(a), axis=0)
+    lo = np.take_along_axis(ordered, ((k - 1) // 2).clip(min=0)[None], axis=0)[0]
+    hi = np.take_along_axis(ordered, (k // 2).clip(max=max(a.shape[0] - 1, 0))[None], axis=0)[0]
+    return np.where(k > 0, 0.5 * (lo + hi), np.nan)
 
 
 def leave_one_out_reference(times: np.ndarray, reference: str = "median", *, positive: bool = False) -> np.ndarray:
@@ -123,8 +139,8 @@ class IndividualBaseline:
         if not ready.size:
             return
         ring = self._ring[:, ready]
-        median = np.median if np.all(self._count[ready] >= self.window) else np.nanmedian  # unfilled slots: NaN
-        level = median(ring, axis=0)
+        filled = np.all(self._count[ready] >= self.window)
+        level = np.median(ring, axis=0) if filled else nanmedian_columns(ring)  # unfilled slots: NaN
         self.best[ready] = np.fmin(self.best[ready], level)
 
     def slowdowns(self, times: np.ndarray) -> np.ndarray:

@@ -8,8 +8,9 @@ measured on 2 CPU ranks, 3 ms per exchange of 10 steps, about 0.3 ms a step of a
 own interpreter: the training process only sends the exchanged bytes and reads back the decisions.
 
 Both places take the same calls (:class:`Scorer`): ``submit`` an exchange as it reached rank 0 (the gathered
-blobs, unparsed; never waiting: a thread of the training process writes each blob to the pipe as it is, without
-pickling a copy of it under the interpreter lock), ``take`` the finished ones in order (never waiting unless asked),
+blobs, unparsed; never waiting: a thread of the training process hands them to the scoring process, the large ones
+received into shared memory by their descriptors, the others written to the pipe as they are; nothing is copied or
+pickled under the interpreter lock), ``take`` the finished ones in order (never waiting unless asked),
 ``state`` for the report, ``close``. The process is forked from the training process before the first exchange
 (at setup), so it starts with the detector as it is then and never imports anything; it dies with its parent
 (``PR_SET_PDEATHSIG`` on Linux, and the closed pipe everywhere), ignores the signals the training process handles,
@@ -19,11 +20,14 @@ and every wait on it has a deadline.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import mmap
 import multiprocessing
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -33,18 +37,20 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import reduction
 from typing import Any, Protocol
 
 import numpy as np
 
 from lightning_resilience._lifetime import die_with_parent
+from lightning_resilience.links import Blob, SharedBuffer
 from lightning_resilience.straggler.exchange import StragglerGatherError
 
 __all__ = ["Scored", "Scorer", "ScoringProcess", "ScoringThread", "open_scorer"]
 
 log = logging.getLogger(__name__)
 
-ScoreFn = Callable[[int, Sequence[bytes]], "Scored"]
+ScoreFn = Callable[[int, Sequence[Blob]], "Scored"]
 """Score one exchange: the step it was issued at and the gathered blobs of every rank's encoded payload
 (:func:`~lightning_resilience.straggler.exchange.decode_gathered` reads them)."""
 StateFn = Callable[[], Any]
@@ -74,7 +80,7 @@ class Scorer(Protocol):
     def pending(self) -> int:
         """Exchanges submitted and not yet taken."""
 
-    def submit(self, step: int, blobs: Sequence[bytes]) -> None: ...
+    def submit(self, step: int, blobs: Sequence[Blob]) -> None: ...
 
     def take(self, *, wait: bool) -> list[Scored]:
         """The scored exchanges, oldest first: those finished (``wait``: all of them, within the deadline)."""
@@ -100,7 +106,7 @@ class ScoringThread:
     def pending(self) -> int:
         return len(self._futures)
 
-    def submit(self, step: int, blobs: Sequence[bytes]) -> None:
+    def submit(self, step: int, blobs: Sequence[Blob]) -> None:
         self._futures.append(self._pool.submit(self._score, step, blobs))
 
     def take(self, *, wait: bool) -> list[Scored]:
@@ -140,6 +146,7 @@ class ScoringProcess:
             )
             self._process.start()
         child.close()
+        self._fds = socket.socket(fileno=os.dup(self._conn.fileno()))  # the pipe's socket: the scores' descriptor
         self._pending = 0
         self._scored_since_state = False
         # a thread of its own writes to the pipe: an exchange of N records is megabytes at thousands of ranks, more
@@ -157,14 +164,14 @@ class ScoringProcess:
     def pending(self) -> int:
         return self._pending
 
-    def submit(self, step: int, blobs: Sequence[bytes]) -> None:
+    def submit(self, step: int, blobs: Sequence[Blob]) -> None:
         self._outbox.put(("score", step, tuple(blobs)))
         self._pending += 1
 
     def take(self, *, wait: bool) -> list[Scored]:
         out = []
         while self._pending and (wait or self._conn.poll()):
-            out.append(self._receive("scored"))
+            out.append(_land_scores(self._fds, *self._receive("scored")))
             self._pending -= 1
             self._scored_since_state = True
         return out
@@ -186,20 +193,20 @@ class ScoringProcess:
             self._process.kill()
             self._process.join(timeout=10)
         self._conn.close()
+        self._fds.close()
 
     def _send_all(self) -> None:
         """The sender thread: the messages in order, until the sentinel or a pipe that is gone."""
-        while (message := self._outbox.get()) is not None:
-            try:
-                if message[0] == "score":  # the blobs as they are (megabytes at thousands of ranks): no pickled copy
-                    self._conn.send(("score", message[1], len(message[2])))
-                    for blob in message[2]:
-                        self._conn.send_bytes(blob)
-                    continue
-                self._conn.send(message)
-            except OSError as err:  # the child is gone: the next result read says so
-                self._send_error = err
-                return
+        with socket.socket(fileno=os.dup(self._conn.fileno())) as sock:  # the pipe's socket, for descriptors
+            while (message := self._outbox.get()) is not None:
+                try:
+                    if message[0] == "score":
+                        _send_blobs(self._conn, sock, message[1], message[2])
+                        continue
+                    self._conn.send(message)
+                except OSError as err:  # the child is gone: the next result read says so
+                    self._send_error = err
+                    return
 
     def _receive(self, kind: str) -> Any:
         deadline = time.monotonic() + self._timeout_s
@@ -238,6 +245,7 @@ def _serve(conn: Any, parent_end: Any, score: ScoreFn, state: StateFn) -> None:
         signal.signal(sig, signal.SIG_DFL)  # the training process's handlers (preemption, dumps) are not ours
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which closes this process
     code = 0
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
     try:
         while True:
             try:
@@ -248,19 +256,87 @@ def _serve(conn: Any, parent_end: Any, score: ScoreFn, state: StateFn) -> None:
                 break
             try:
                 if message[0] == "score":
-                    blobs = [conn.recv_bytes() for _ in range(message[2])]
-                    reply: tuple[str, Any] = ("scored", score(message[1], blobs))
+                    scored, shipped = _ship_scores(_score_received(conn, sock, message, score))
+                    reply: tuple[str, Any] = ("scored", (scored, shipped.shapes))
                 else:
-                    reply = ("state", state())
+                    reply, shipped = ("state", state()), None
             except Exception:  # sent to the parent, which raises it
-                reply = ("error", traceback.format_exc())
+                reply, shipped = ("error", traceback.format_exc()), None
             conn.send(reply)
+            if shipped is not None:
+                reduction.sendfds(sock, [shipped.buffer.fd])
     except BaseException:  # a child must never run the parent's exit path
         code = 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _send_blobs(conn: Any, sock: socket.socket, step: int, blobs: Sequence[Blob]) -> None:
+    """One exchange to the scoring process: which blobs come how, the shared ones' descriptors (one message, the
+    kernel passes them: megabytes at thousands of ranks, never copied), then the others' bytes as they are."""
+    shared = [b.fd for b in blobs if isinstance(b, SharedBuffer)]
+    conn.send(("score", step, [isinstance(b, SharedBuffer) for b in blobs]))
+    if shared:
+        reduction.sendfds(sock, shared)
+    for blob in blobs:
+        if not isinstance(blob, SharedBuffer):
+            conn.send_bytes(blob)
+
+
+def _score_received(conn: Any, sock: socket.socket, message: tuple[Any, ...], score: ScoreFn) -> Scored:
+    """In the scoring process: read one exchange as :func:`_send_blobs` sent it, score it, let the mappings go."""
+    kinds: list[bool] = message[2]
+    fds = reduction.recvfds(sock, sum(kinds)) if any(kinds) else []
+    maps = []
+    for fd in fds:
+        try:
+            maps.append(mmap.mmap(fd, 0, prot=mmap.PROT_READ))
+        finally:
+            os.close(fd)
+    shared = iter(maps)
+    blobs = [next(shared) if kind else conn.recv_bytes() for kind in kinds]
+    try:
+        return score(message[1], blobs)
+    finally:
+        for m in maps:
+            m.close()
+
+
+@dataclass
+class _Shipped:
+    """The scoreboard's arrays of one exchange in shared memory: N values a section, handed over by descriptor."""
+
+    buffer: SharedBuffer
+    shapes: list[tuple[tuple[int, ...], str]]
+
+
+def _ship_scores(scored: Scored) -> tuple[Scored, _Shipped]:
+    """In the scoring process: the score arrays (sections x ranks, megabytes at thousands of ranks) out of the
+    pickled reply and into one shared buffer, which the training process maps instead of reading and unpickling."""
+    arrays = [np.ascontiguousarray(a) for a in scored.scores[:2]]
+    shipped = _Shipped(
+        SharedBuffer.holding(b"".join(a.tobytes() for a in arrays)), [(a.shape, a.dtype.str) for a in arrays]
+    )
+    empty = np.empty(0)
+    return dataclasses.replace(scored, scores=(empty, empty, scored.scores[2])), shipped
+
+
+def _land_scores(sock: socket.socket, scored: Scored, shapes: list[tuple[tuple[int, ...], str]]) -> Scored:
+    """In the training process: map the shared buffer that follows a reply of :func:`_ship_scores` (copy on
+    write: the arrays are the rank's own) and view the arrays in it; nothing is copied."""
+    (fd,) = reduction.recvfds(sock, 1)
+    try:
+        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    arrays, at = [], 0
+    for shape, dtype in shapes:
+        count = int(np.prod(shape))
+        arrays.append(np.frombuffer(mapped, dtype=dtype, count=count, offset=at).reshape(shape))
+        at += count * np.dtype(dtype).itemsize
+    return dataclasses.replace(scored, scores=(arrays[0], arrays[1], scored.scores[2]))
 
 
 def _yield_to_training() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from lightning_resilience.collective import CollectiveError, CollectiveTimeoutError, SideGroup, set_fault_hook
+from lightning_resilience.links import SharedBuffer
 from lightning_resilience.step.agreement import Gathered, Op, Pending, TreeAgreement, combine, frame, unframe
 from tests._ranks import run_ranks
 
@@ -207,17 +208,17 @@ class _RootGroup:
     def __init__(self, world: int, parts: list[bytes]) -> None:
         self.world_size, self.parts = world, parts
 
-    def exchange(self, payload: bytes | None, *, send_to: Any, recv_from: Any, **_: Any) -> list[bytes | None]:
-        assert payload is None and not send_to  # rank 0 only receives
+    def receive(self, recv_from: Any, **_: Any) -> list[Any]:
         return list(self.parts[: len(recv_from)])
 
 
 def test_rank_0_keeps_the_gathered_blobs_as_they_came_whatever_the_number_of_ranks() -> None:
     """At 16,384 ranks rank 0 receives megabytes of records each exchange: the agreement thread (in the training
-    process, under its interpreter lock) neither parses nor copies them; whoever reads them calls ``records()``."""
+    process, under its interpreter lock) neither parses nor copies them (they stay in the shared memory they were
+    received into); whoever reads them calls ``records()``."""
     world = 16_384
     subtree = (world - 1) // 4 + 1
-    parts = [frame([(r, b"t" * 600) for r in range(1 + i, world, 4)][:subtree]) for i in range(4)]
+    parts = [SharedBuffer.holding(frame([(r, b"t" * 600) for r in range(1 + i, world, 4)][:subtree])) for i in range(4)]
     tree = TreeAgreement(_RootGroup(world, parts))  # type: ignore[arg-type]
     try:
         got = tree.gather(b"mine", op="straggler.exchange", step=10).result()

@@ -217,7 +217,7 @@ def test_clean_run_with_heavy_jitter_has_no_verdict() -> None:
     assert cluster.verdicts == [], [v.describe() for v in cluster.verdicts]
 
 
-def test_a_payload_travels_as_a_json_head_and_packed_timings() -> None:
+def test_a_payload_travels_as_a_binary_head_a_node_s_text_and_packed_timings() -> None:
     """What every rank sends up the tree each exchange (rank 0 receives N of them): the real payload of a detector,
     read back as it was, and small (its timings packed, not written out as JSON)."""
     clock = FakeClock()
@@ -236,7 +236,10 @@ def test_a_payload_travels_as_a_json_head_and_packed_timings() -> None:
     assert back["rank"] == 0 and back["steps"] == payload["steps"] and back["host"] == payload["host"]
     for got, sent in zip(back["times"], payload["times"]):
         assert got.keys() == sent.keys()
-        assert all(g == s or (math.isnan(g) and math.isnan(s)) for g, s in zip(got.values(), sent.values()))
+        # seconds travel as float32: a microsecond in a 10 s step
+        assert all(
+            g == float(np.float32(s)) or (math.isnan(g) and math.isnan(s)) for g, s in zip(got.values(), sent.values())
+        )
     as_json = len(json.dumps(payload, separators=(",", ":")))
     assert len(body) < 0.5 * as_json, (len(body), as_json)
     for bad in (b"", b"{}", body[:-3], b"LRT1" + body[4:12] + b"not json"):
@@ -244,6 +247,39 @@ def test_a_payload_travels_as_a_json_head_and_packed_timings() -> None:
             decode_payload(bad)
     other = encode_payload(payload | {"rank": 1})
     blobs = [frame([(1, other)]), frame([(0, body)])]  # as the tree brings them: rank 0's scorer reads them
-    assert [p["rank"] for p in decode_gathered(blobs)] == [0, 1]
+    assert decode_gathered(blobs).ranks == [0, 1]
     with pytest.raises(StragglerGatherError, match="arrived malformed"):
         decode_gathered([blobs[0][:-1]])
+
+
+def test_an_exchange_is_read_into_one_table_and_a_large_job_keeps_a_bounded_history() -> None:
+    """Rank 0's scorer reads N records into one ranks x samples x sections array (one JSON text a node), the same
+    values the payloads hold (seconds as float32); the history of samples kept for the plot is bounded in values,
+    not only in steps, so 16,384 ranks do not keep 20,000 x 65,536 floats."""
+    from lightning_resilience.straggler.exchange import table_of
+    from lightning_resilience.straggler.scores import nanmedian_columns
+
+    payloads = [
+        {
+            "rank": r,
+            "host": f"n{r // 2}",
+            "local_world_size": 2,
+            "steps": [7, 8, 9],
+            "times": [{"compute": 0.1 * (r + 1) + s, "data": 0.01 * s} for s in range(3)],
+        }
+        for r in range(4)
+    ]
+    blobs = [frame([(r, encode_payload(p))]) for r, p in reversed(list(enumerate(payloads)))]
+    table = decode_gathered(blobs)
+    assert table.ranks == [0, 1, 2, 3] and table.steps == [7, 8, 9] and table.sections == ("compute", "data")
+    assert table.hosts == ["n0", "n0", "n1", "n1"] and table.times.shape == (4, 3, 2)
+    expected = table_of(payloads).times.astype(np.float32).astype(np.float64)
+    assert np.array_equal(table.times, expected)
+    column = table.column(1, "data")
+    assert column is not None and np.array_equal(column, expected[:, 1, 1]) and table.column(0, "wait") is None
+    config = StragglerConfig()
+    small = StragglerDetector(config, rank=0, world_size=2, gather=lambda p: [p])
+    large = StragglerDetector(config, rank=0, world_size=16_384, gather=lambda p: [p])
+    assert small.history.maxlen == 20_000 and large.history.maxlen == 64
+    values = np.array([[1.0, np.nan, 3.0], [np.nan, np.nan, 5.0], [2.0, np.nan, 4.0], [4.0, np.nan, np.nan]])
+    assert np.array_equal(nanmedian_columns(values), [2.0, np.nan, 4.0], equal_nan=True)

@@ -227,6 +227,47 @@ def test_the_scoring_process_dies_with_its_rank() -> None:
             rank.wait(30)
 
 
+def test_shared_blobs_go_by_descriptor_and_the_scores_come_back_mapped() -> None:
+    """Rank 0's large blobs (received into shared memory) reach the scoring process by their descriptors, its own
+    small record as bytes, in order; the scoreboard's N-wide arrays come back in shared memory the training process
+    maps (copy on write), not as a pickle it reads and unpickles under its interpreter lock."""
+    import hashlib
+    import mmap
+
+    import numpy as np
+
+    from lightning_resilience.links import SharedBuffer
+    from lightning_resilience.straggler.scoring import Scored
+
+    small = frame([(0, b"mine")])
+    big = SharedBuffer.holding(frame([(r, b"%05d" % r * 40) for r in range(1, 2000)]))  # 400 KB
+
+    def score(step: int, blobs: list[Any]) -> Scored:
+        kinds = [type(b).__name__ for b in blobs]
+        digest = hashlib.sha256(b"".join(blobs)).hexdigest()
+        relative = np.arange(7 * 3000, dtype=np.float64).reshape(7, 3000) * step
+        return Scored([kinds, digest], None, step, step, (relative, relative + 1, 2.5))
+
+    scorer = ScoringProcess(score, lambda: None, timeout_s=30)
+    try:
+        scorer.submit(3, [small, big])
+        scorer.submit(4, [small])
+        first, second = scorer.take(wait=True)
+    finally:
+        scorer.close()
+    assert first.decisions == [["bytes", "mmap"], hashlib.sha256(small + big[:]).hexdigest()]
+    assert second.decisions[0] == ["bytes"]
+    expected = np.arange(7 * 3000, dtype=np.float64).reshape(7, 3000) * 3
+    relative, individual, job = first.scores
+    assert np.array_equal(relative, expected) and np.array_equal(individual, expected + 1) and job == 2.5
+    base = relative
+    while isinstance(base, np.ndarray | memoryview):
+        base = base.obj if isinstance(base, memoryview) else base.base
+    assert isinstance(base, mmap.mmap)  # a view on the mapping: nothing copied on the training side
+    relative[0, 0] = -1.0  # the rank's own copy (copy on write)
+    assert np.array_equal(second.scores[0], expected / 3 * 4)
+
+
 def test_a_large_exchange_is_handed_over_while_the_scorer_is_busy() -> None:
     """At thousands of ranks an exchange is megabytes, more than a pipe holds: handing it over must not wait for the
     child to read it (here the child is held inside the previous exchange)."""
