@@ -70,9 +70,10 @@ WARMUP = 5
 PREDICT_AT = (1024, 4096, 16384)
 STEP_TIMES_S = (0.1, 1.0)
 FIELDS = 16
-STRAGGLER_RECORD_B = 730
-"""Bytes per rank of a straggler exchange: 10 steps of 7 sections, a JSON head and packed float64 (as
-``benchmarks.exchange_rank0`` measures it; runs before it assumed 400 B, where the JSON record was 2.2 KB)."""
+STRAGGLER_RECORD_B = 460
+"""Bytes per rank of a straggler exchange: 10 steps of 7 sections, a binary head, a node's JSON text, int64 steps and
+float32 timings (as ``benchmarks.exchange_rank0`` measures it; 730 B with float64 and a JSON head, and runs before
+that assumed 400 B, where the JSON record was 2.2 KB)."""
 
 
 def depth(n: int, fanout: int = FANOUT) -> int:

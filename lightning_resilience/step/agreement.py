@@ -35,6 +35,8 @@ from enum import Enum
 from functools import lru_cache, partial
 from typing import Any
 
+import numpy as np
+
 from lightning_resilience.collective import CollectiveTimeoutError, Deadline, SideGroup
 from lightning_resilience.links import Blob
 
@@ -103,6 +105,23 @@ def unframe(blobs: Sequence[Blob]) -> list[tuple[int, bytes]]:
             at += size
     out.sort(key=lambda record: record[0])
     return out
+
+
+def unframe_uniform(blob: Blob) -> tuple[np.ndarray, np.ndarray] | None:
+    """The records of one blob whose records all have the same length, without a Python object per record: their
+    ranks and their bodies (records x length bytes, views on ``blob``); None when the lengths differ (read it with
+    :func:`unframe`)."""
+    if len(blob) < _RECORD.size:
+        return None
+    _, size = _RECORD.unpack_from(blob, 0)
+    width = _RECORD.size + size
+    if len(blob) % width:
+        return None
+    rows = np.frombuffer(blob, dtype=np.uint8).reshape(-1, width)
+    heads = np.ascontiguousarray(rows[:, : _RECORD.size]).view("<u4")  # rank (as written, two's complement), size
+    if not bool((heads[:, 1] == size).all()):
+        return None
+    return heads[:, 0].view("<i4").astype(np.int64), rows[:, _RECORD.size :]
 
 
 @dataclass(frozen=True)

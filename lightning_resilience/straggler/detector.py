@@ -387,6 +387,7 @@ class StragglerDetector:
         board = self.scoreboard
         events = board.update(step, np.stack([column[name] for name in self.sections]), work)
         score = "relative" if self.mode == "relative" else "individual"
+        evidence = presentation.wait_evidence(self.history, self.config.confirm_steps)
         decisions: list[Escalation] = []
         for i in events.ended.tolist():
             self.episodes.ended(*board.series(i), step)
@@ -396,7 +397,7 @@ class StragglerDetector:
             decisions += self.episodes.update(
                 i, rank, name, step, previous, events, board.cusum, score=series_score, nodes=self.nodes,
                 node_index=self.node_index,
-                evidence=lambda r: presentation.waited_for(self.history, r, self.config.confirm_steps),
+                evidence=evidence,
             )  # fmt: skip
         return decisions
 

@@ -70,7 +70,7 @@ class Episodes:
         confirmed, a verdict if its slowdown stands out of the series' jitter, else a noise-level confirmation that
         is listed and dismissed (the test starts over); then the ladder of a verdict decides."""
         slowdown, scale = float(events.slowdown[i]), float(cusum.scale[i])
-        if bool(np.isin(i, events.started)):
+        if bool((events.started == i).any()):  # not np.isin: a sort per call, per flagged series
             verdict = StragglerFinding(
                 rank=rank,
                 node=nodes[rank] if rank != JOB else "",

@@ -23,7 +23,7 @@ import numpy as np
 
 from lightning_resilience.collective import CollectiveError, SideGroup
 from lightning_resilience.links import Blob
-from lightning_resilience.step.agreement import unframe
+from lightning_resilience.step.agreement import unframe, unframe_uniform
 
 __all__ = [
     "GatherFn",
@@ -112,14 +112,15 @@ class Table:
         return self.times[:, sample, self.sections.index(section)]
 
 
-_Record = tuple[int, int, str, tuple[str, ...], np.ndarray, np.ndarray]  # rank, lws, host, sections, steps, times
+_Block = tuple[np.ndarray, np.ndarray, list[str], tuple[str, ...], np.ndarray, np.ndarray]
+"""Records of one layout: ranks (n), ranks per node (n), hosts, sections, steps (n x k), times (n x k x sections)."""
 
 
 def _malformed(err: Exception) -> StragglerGatherError:
     return StragglerGatherError(f"straggler: a malformed payload arrived in the exchange of timings ({err})")
 
 
-def _read(data: Blob, texts: dict[bytes, tuple[str, tuple[str, ...]]]) -> _Record:
+def _read(data: Blob, texts: dict[bytes, tuple[str, tuple[str, ...]]]) -> _Block:
     """One encoded payload (``texts``: the JSON texts read so far, shared by the ranks of a node)."""
     try:
         magic, rank, lws, n_steps, n_sections, size = _HEAD.unpack_from(data, 0)
@@ -140,65 +141,115 @@ def _read(data: Blob, texts: dict[bytes, tuple[str, tuple[str, ...]]]) -> _Recor
         times = np.frombuffer(data, dtype="<f4", count=n_steps * n_sections, offset=at + 8 * n_steps)
     except (ValueError, struct.error, TypeError, AttributeError, KeyError) as err:
         raise _malformed(err) from err
-    return rank, lws, meta[0], meta[1], steps, times.reshape(n_steps, n_sections)
+    return (
+        np.array([rank]), np.array([lws]), [meta[0]], meta[1], steps[None], times.reshape(1, n_steps, n_sections)
+    )  # fmt: skip
 
 
 def decode_payload(data: Blob) -> Payload:
     """The payload :func:`encode_payload` made (raises :class:`StragglerGatherError` for anything else)."""
-    rank, lws, host, sections, steps, times = _read(data, {})
-    rows = [dict(zip(sections, map(float, row))) for row in times]
-    return {"rank": rank, "host": host, "local_world_size": lws, "steps": steps.tolist(), "times": rows}
+    ranks, lws, hosts, sections, steps, times = _read(data, {})
+    rows = [dict(zip(sections, map(float, row))) for row in times[0]]
+    return {"rank": int(ranks[0]), "host": hosts[0], "local_world_size": int(lws[0]), "steps": steps[0].tolist(),
+            "times": rows}  # fmt: skip
 
 
-def _table(records: list[_Record]) -> Table:
-    records.sort(key=lambda r: r[0])
+def _read_uniform(ranks: np.ndarray, bodies: np.ndarray) -> _Block | None:
+    """Records of one layout (the same counts and length: one config, host names of one length) read as arrays,
+    one JSON text a node; None for anything else (read record by record)."""
+    n, width = bodies.shape
+    if n == 0 or width < _HEAD.size:
+        return None
+    magic, _, _, n_steps, n_sections, size = _HEAD.unpack_from(bodies[0].tobytes(), 0)
+    at = _HEAD.size + size
+    same = bodies[:, 12 : _HEAD.size] == bodies[0, 12 : _HEAD.size]  # the counts and the text's length
+    if magic != _MAGIC or width != at + n_steps * (8 + 4 * n_sections) or not bool(same.all()):
+        return None
+    if not bool((bodies[:, :4] == bodies[0, :4]).all()):
+        return None
+    fields = np.ascontiguousarray(bodies[:, 4:12]).view("<i4")  # rank, local_world_size
+    if not np.array_equal(fields[:, 0], ranks):
+        return None
+    texts, which = np.unique(
+        np.ascontiguousarray(bodies[:, _HEAD.size : at]).view(f"V{size}").ravel(), return_inverse=True
+    )
+    try:
+        metas = [(str(m.get("host", "")), tuple(map(str, m["sections"]))) for m in map(json.loads, texts.tolist())]
+    except (ValueError, KeyError, TypeError, AttributeError):  # read record by record, which names what is wrong
+        return None
+    if len({sections for _, sections in metas}) != 1 or len(metas[0][1]) != n_sections:
+        return None
+    hosts = [metas[j][0] for j in which.tolist()]
+    steps = np.ascontiguousarray(bodies[:, at : at + 8 * n_steps]).view("<i8")
+    times = np.ascontiguousarray(bodies[:, at + 8 * n_steps :]).view("<f4").reshape(n, n_steps, n_sections)
+    return fields[:, 0].astype(np.int64), fields[:, 1].astype(np.int64), hosts, metas[0][1], steps, times
+
+
+def _table(blocks: list[_Block]) -> Table:
     sections: dict[str, None] = {}
-    for record in records:
-        if record[3] != tuple(sections):
-            sections.update(dict.fromkeys(record[3]))
+    for block in blocks:
+        if block[3] != tuple(sections):
+            sections.update(dict.fromkeys(block[3]))
     names = tuple(sections)
-    samples = min((len(r[5]) for r in records), default=0)
-    times = np.full((len(records), samples, len(names)), np.nan)
-    for i, (_, _, _, own, _, values) in enumerate(records):
+    samples = min((b[5].shape[1] for b in blocks), default=0)
+    ranks = np.concatenate([b[0] for b in blocks]) if blocks else np.empty(0, np.int64)
+    order = np.argsort(ranks, kind="stable")
+    times = np.full((len(ranks), samples, len(names)), np.nan)
+    at = 0
+    for _, _, _, own, _, values in blocks:
+        rows = slice(at, at + len(values))
+        at += len(values)
         if own == names:
-            times[i] = values[:samples]
+            times[rows] = values[:, :samples]
         else:  # a rank that timed other sections (never with one config): its columns where they belong
             for k, name in enumerate(own):
-                times[i, :, names.index(name)] = values[:samples, k]
+                times[rows, :, names.index(name)] = values[:, :samples, k]
+    hosts = [h for b in blocks for h in b[2]]
+    lws = np.concatenate([b[1] for b in blocks]) if blocks else np.empty(0, np.int64)
+    steps = np.concatenate([b[4][:, :samples] for b in blocks])[order[0]].tolist() if len(ranks) else []
     return Table(
-        ranks=[r[0] for r in records],
-        hosts=[r[2] for r in records],
-        local_world_sizes=[r[1] for r in records],
-        steps=records[0][4][:samples].tolist() if records else [],
+        ranks=ranks[order].tolist(),
+        hosts=[hosts[i] for i in order.tolist()],
+        local_world_sizes=lws[order].tolist(),
+        steps=steps,
         sections=names,
-        times=times,
+        times=times[order],
     )
 
 
 def table_of(payloads: Sequence[Payload]) -> Table:
     """The :class:`Table` of payloads as dicts (the all-gather's, simulations')."""
-    records: list[_Record] = []
+    blocks: list[_Block] = []
     for p in payloads:
         rows = p["times"]
         names = tuple(rows[0]) if rows else ()
         values = np.array([[float(row.get(n, math.nan)) for n in names] for row in rows], dtype=np.float64)
         steps = np.asarray([int(s) for s in p.get("steps") or []], dtype=np.int64)
-        records.append(
-            (int(p["rank"]), int(p.get("local_world_size") or 0), str(p.get("host", "")), names, steps,
-             values.reshape(len(rows), len(names)))
+        blocks.append(
+            (np.array([int(p["rank"])]), np.array([int(p.get("local_world_size") or 0)]), [str(p.get("host", ""))],
+             names, steps[None], values.reshape(1, len(rows), len(names)))
         )  # fmt: skip
-    return _table(records)
+    return _table(blocks)
 
 
 def decode_gathered(blobs: Sequence[Blob]) -> Table:
     """Every rank's payload of one exchange, from the blobs the tree brought to rank 0, as a :class:`Table` (read
-    where the scoring runs: the work grows with N, a few NumPy calls a record)."""
-    try:
-        records = unframe(blobs)
-    except ValueError as err:
-        raise StragglerGatherError(f"straggler: the exchange of timings arrived malformed ({err})") from err
+    where the scoring runs: the work grows with N; a blob of records of one layout, the usual case, is read as
+    one array, else a few NumPy calls a record)."""
+    blocks: list[_Block] = []
     texts: dict[bytes, tuple[str, tuple[str, ...]]] = {}
-    return _table([_read(body, texts) for _, body in records])
+    for blob in blobs:
+        uniform = unframe_uniform(blob)
+        block = _read_uniform(*uniform) if uniform is not None else None
+        if block is not None:
+            blocks.append(block)
+            continue
+        try:
+            records = unframe([blob])
+        except ValueError as err:
+            raise StragglerGatherError(f"straggler: the exchange of timings arrived malformed ({err})") from err
+        blocks += [_read(body, texts) for _, body in records]
+    return _table(blocks)
 
 
 def node_layout(hosts: Sequence[str], local_world_sizes: Sequence[int], world_size: int) -> tuple[list[str], list[int]]:

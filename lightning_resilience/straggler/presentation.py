@@ -7,12 +7,13 @@ import itertools
 import logging
 import math
 import os
-from collections.abc import Reversible
+from collections.abc import Callable, Reversible
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lightning_resilience.straggler.scores import leave_one_out_reference, nanmedian_columns
 from lightning_resilience.straggler.timing import COMPUTE, DATA, STEP, WAIT
 
 if TYPE_CHECKING:
@@ -152,24 +153,24 @@ def _fmt_x(value: float) -> str:
     return "n/a" if not np.isfinite(value) else f"{value:.2f}x"
 
 
-def waited_for(history: Reversible[tuple[int, dict[str, list[float]]]], rank: int, last: int) -> str:
-    """Who waits for whom over the ``last`` gathered steps of ``history``: the median collective wait per step of
-    the other ranks, and of ``rank`` ('' when waits are not measured)."""
-    tail = list(itertools.islice(reversed(history), last))  # the newest ``last``: never the whole history
-    recent = [np.asarray(waits, dtype=np.float64) for _, s in reversed(tail) if (waits := s.get(WAIT))]
-    recent = [row for row in recent if rank < row.size]
-    if not recent:
-        return ""
-    rows = np.stack(recent) if len({row.size for row in recent}) == 1 else None
-    if rows is None:  # ranks came and went within the window: row by row
-        others = np.concatenate([np.delete(row, rank) for row in recent])
-        own = np.array([row[rank] for row in recent])
-    else:  # N values a row: NumPy, not a Python float each
-        others, own = np.delete(rows, rank, axis=1).ravel(), rows[:, rank]
-    others, own = others[np.isfinite(others)], own[np.isfinite(own)]
-    if not others.size or not own.size:
-        return ""
-    return (
-        f"the other ranks waited {float(np.median(others)) * 1e3:.1f} ms per step in collectives, "
-        f"rank {rank} {float(np.median(own)) * 1e3:.1f} ms"
-    )
+def wait_evidence(history: Reversible[tuple[int, dict[str, list[float]]]], last: int) -> Callable[[int], str]:
+    """Who waits for whom over the ``last`` gathered steps of ``history``, for any rank: the median of the other
+    ranks' median collective wait per step, and the rank's own ('' when waits are not measured). Read once for all
+    the verdicts of a step (a few NumPy calls over N ranks, not a Python float each)."""
+    read: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def evidence(rank: int) -> str:
+        if not read:
+            tail = list(itertools.islice(reversed(history), last))  # the newest ``last``, never the whole history
+            rows = [np.asarray(w, dtype=np.float64) for _, s in tail if (w := s.get(WAIT))]
+            own = nanmedian_columns(np.stack(rows)) if rows else np.empty(0)
+            read.append((own, leave_one_out_reference(own)))
+        own, others = read[0]
+        if not (rank < own.size and math.isfinite(own[rank]) and math.isfinite(others[rank])):
+            return ""
+        return (
+            f"the other ranks waited {others[rank] * 1e3:.1f} ms per step in collectives, "
+            f"rank {rank} {own[rank] * 1e3:.1f} ms"
+        )
+
+    return evidence

@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import mmap
 import multiprocessing
 import os
+import pickle
 import queue
+import select
 import signal
 import socket
 import sys
@@ -147,6 +150,9 @@ class ScoringProcess:
             self._process.start()
         child.close()
         self._fds = socket.socket(fileno=os.dup(self._conn.fileno()))  # the pipe's socket: the scores' descriptor
+        self._episodes: Any = None  # the last episodes the child sent
+        self._ready = select.poll()  # made once: Connection.poll builds a selector each call (50 us)
+        self._ready.register(self._conn.fileno(), select.POLLIN)
         self._pending = 0
         self._scored_since_state = False
         # a thread of its own writes to the pipe: an exchange of N records is megabytes at thousands of ranks, more
@@ -170,8 +176,12 @@ class ScoringProcess:
 
     def take(self, *, wait: bool) -> list[Scored]:
         out = []
-        while self._pending and (wait or self._conn.poll()):
-            out.append(_land_scores(self._fds, *self._receive("scored")))
+        while self._pending and (wait or self._ready.poll(0)):
+            scored = _land_scores(self._fds, *self._receive("scored"))
+            if scored.episodes is None:  # unchanged since the last reply: no copy of them read
+                scored = dataclasses.replace(scored, episodes=self._episodes)
+            out.append(scored)
+            self._episodes = scored.episodes
             self._pending -= 1
             self._scored_since_state = True
         return out
@@ -246,6 +256,7 @@ def _serve(conn: Any, parent_end: Any, score: ScoreFn, state: StateFn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which closes this process
     code = 0
     sock = socket.socket(fileno=os.dup(conn.fileno()))
+    sent: list[bytes] = []  # the digest of the episodes last shipped
     try:
         while True:
             try:
@@ -256,7 +267,7 @@ def _serve(conn: Any, parent_end: Any, score: ScoreFn, state: StateFn) -> None:
                 break
             try:
                 if message[0] == "score":
-                    scored, shipped = _ship_scores(_score_received(conn, sock, message, score))
+                    scored, shipped = _ship_scores(_score_received(conn, sock, message, score), sent)
                     reply: tuple[str, Any] = ("scored", (scored, shipped.shapes))
                 else:
                     reply, shipped = ("state", state()), None
@@ -312,9 +323,15 @@ class _Shipped:
     shapes: list[tuple[tuple[int, ...], str]]
 
 
-def _ship_scores(scored: Scored) -> tuple[Scored, _Shipped]:
+def _ship_scores(scored: Scored, sent: list[bytes]) -> tuple[Scored, _Shipped]:
     """In the scoring process: the score arrays (sections x ranks, megabytes at thousands of ranks) out of the
-    pickled reply and into one shared buffer, which the training process maps instead of reading and unpickling."""
+    pickled reply and into one shared buffer, which the training process maps instead of reading and unpickling;
+    the episodes (every verdict and decision so far) only when they changed since the last reply (``sent``: the
+    digest of the last ones shipped), else None: the training process keeps the ones it has."""
+    digest = hashlib.blake2b(pickle.dumps(scored.episodes), digest_size=16).digest()
+    if sent and sent[0] == digest:
+        scored = dataclasses.replace(scored, episodes=None)
+    sent[:] = [digest]
     arrays = [np.ascontiguousarray(a) for a in scored.scores[:2]]
     shipped = _Shipped(
         SharedBuffer.holding(b"".join(a.tobytes() for a in arrays)), [(a.shape, a.dtype.str) for a in arrays]

@@ -275,6 +275,14 @@ def test_an_exchange_is_read_into_one_table_and_a_large_job_keeps_a_bounded_hist
     assert table.hosts == ["n0", "n0", "n1", "n1"] and table.times.shape == (4, 3, 2)
     expected = table_of(payloads).times.astype(np.float32).astype(np.float64)
     assert np.array_equal(table.times, expected)
+    # a blob of records of one layout is read as one array; hosts of other lengths record by record: the same table
+    uniform = decode_gathered([frame([(r, encode_payload(p)) for r, p in enumerate(payloads)])])
+    mixed = [p | {"host": "h" * (r + 1)} for r, p in enumerate(payloads)]
+    varied = decode_gathered([frame([(r, encode_payload(p)) for r, p in enumerate(mixed)])])
+    for other in (uniform, varied):
+        assert other.ranks == table.ranks and other.steps == table.steps and other.sections == table.sections
+        assert np.array_equal(other.times, table.times)
+    assert uniform.hosts == table.hosts and varied.hosts == ["h", "hh", "hhh", "hhhh"]
     column = table.column(1, "data")
     assert column is not None and np.array_equal(column, expected[:, 1, 1]) and table.column(0, "wait") is None
     config = StragglerConfig()

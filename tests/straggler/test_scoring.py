@@ -230,7 +230,8 @@ def test_the_scoring_process_dies_with_its_rank() -> None:
 def test_shared_blobs_go_by_descriptor_and_the_scores_come_back_mapped() -> None:
     """Rank 0's large blobs (received into shared memory) reach the scoring process by their descriptors, its own
     small record as bytes, in order; the scoreboard's N-wide arrays come back in shared memory the training process
-    maps (copy on write), not as a pickle it reads and unpickles under its interpreter lock."""
+    maps (copy on write), not as a pickle it reads and unpickles under its interpreter lock; the episodes come back
+    only when they changed."""
     import hashlib
     import mmap
 
@@ -246,15 +247,20 @@ def test_shared_blobs_go_by_descriptor_and_the_scores_come_back_mapped() -> None
         kinds = [type(b).__name__ for b in blobs]
         digest = hashlib.sha256(b"".join(blobs)).hexdigest()
         relative = np.arange(7 * 3000, dtype=np.float64).reshape(7, 3000) * step
-        return Scored([kinds, digest], None, step, step, (relative, relative + 1, 2.5))
+        episodes = {"verdicts": ["rank 7"] * (step // 5)}  # the same after steps 3 and 4, more after step 5
+        return Scored([kinds, digest], episodes, step, step, (relative, relative + 1, 2.5))
 
     scorer = ScoringProcess(score, lambda: None, timeout_s=30)
     try:
         scorer.submit(3, [small, big])
         scorer.submit(4, [small])
-        first, second = scorer.take(wait=True)
+        scorer.submit(5, [small])
+        first, second, third = scorer.take(wait=True)
     finally:
         scorer.close()
+    # episodes that did not change are not sent again: the training process keeps the ones it read
+    assert first.episodes == {"verdicts": []} and second.episodes is first.episodes
+    assert third.episodes == {"verdicts": ["rank 7"]}
     assert first.decisions == [["bytes", "mmap"], hashlib.sha256(small + big[:]).hexdigest()]
     assert second.decisions[0] == ["bytes"]
     expected = np.arange(7 * 3000, dtype=np.float64).reshape(7, 3000) * 3
