@@ -15,6 +15,7 @@ from typing import Any
 
 BLOCK = 50
 CHUNK_S = 1e-4
+SCORED = 6  # exchanges the scorer's own work is timed on
 _SECTIONS = ("backward", "compute", "data", "forward", "optimizer", "step", "wait")
 _BASE = {"backward": 0.008, "compute": 0.014, "data": 0.001, "forward": 0.004, "optimizer": 0.002, "step": 0.016,
          "wait": 0.001}  # fmt: skip
@@ -39,10 +40,10 @@ def _child(ranks: int, steps: int, step_ms: float) -> dict[str, Any]:
     config = StragglerConfig()
     every = config.gather_every_n_steps
 
-    def payload(rank: int) -> bytes:
+    def payload(rank: int, first: int = 0) -> bytes:
         times = [{s: _BASE[s] * (1 + 0.05 * rng.gauss(0, 1)) for s in _SECTIONS} for _ in range(every)]
-        host = f"node{rank // 8:05d}"
-        return encode_payload({"rank": rank, "host": host, "local_world_size": 8, "steps": [0] * every, "times": times})
+        host, steps = f"node{rank // 8:05d}", list(range(first, first + every))
+        return encode_payload({"rank": rank, "host": host, "local_world_size": 8, "steps": steps, "times": times})
 
     bodies = [payload(r) for r in range(1, ranks)]
     blobs = [frame([(r, bodies[r - 1]) for r in range(1 + i, ranks, 4)]) for i in range(4)]
@@ -106,6 +107,16 @@ def _child(ranks: int, steps: int, step_ms: float) -> dict[str, Any]:
     if pid is not None:  # reaped here, so that its CPU counts as the benchmark's own, not another process's
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+    # the scorer's own work: a detector of its own scores exchanges of fresh payloads here, on this thread (what the
+    # scoring process does with each exchange: read the blobs, score every step of them), timed one by one
+    scorer = StragglerDetector(config, rank=0, world_size=ranks, gather=lambda p: [p])
+    scoring = []
+    for at in range(SCORED):
+        first = at * every
+        fresh = [frame([(r, payload(r, first)) for r in range(i, ranks, 5)]) for i in range(5)]  # as 5 blobs
+        t = time.perf_counter()
+        scorer._score_bodies(at * every, fresh)
+        scoring.append(time.perf_counter() - t)
     on_steps = [i for i in range(steps) if (i // BLOCK) % 2 == 1]
     off_steps = [i for i in range(steps) if (i // BLOCK) % 2 == 0]
     base = statistics.median(durations[i * per_step + c] for i in off_steps for c in range(per_step))
@@ -131,6 +142,7 @@ def _child(ranks: int, steps: int, step_ms: float) -> dict[str, Any]:
         "exchanges": exchanges,
         "bytes_at_rank0": sum(len(b) for b in blobs),
         "bytes_per_rank": statistics.fmean(len(b) for b in bodies),
+        "scoring_s": scoring,
     }
 
 

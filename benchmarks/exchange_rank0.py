@@ -79,6 +79,8 @@ def _arm(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "step_s": statistics.fmean(r["step_s"] for r in runs),
         "bytes_at_rank0": runs[0]["bytes_at_rank0"],
         "bytes_per_rank": runs[0]["bytes_per_rank"],
+        "scoring_median_s": statistics.median(s for r in runs for s in r["scoring_s"]),
+        "scoring_max_s": max(s for r in runs for s in r["scoring_s"]),
         "runs": runs,
     }
 
@@ -99,6 +101,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                 runs[name][n].append(_launch(trees[name], n, steps, args.step_ms))
     arms = {name: {str(n): _arm(per) for n, per in by_n.items()} for name, by_n in runs.items()}
     at_most = arms["this tree"][str(ranks[-1])]
+    steps_per_exchange = runs["this tree"][ranks[-1]][0]["gather_every_n_steps"]
     baseline_commit = _commit(Path(args.baseline_tree)) if args.baseline_tree else None
     return {
         **bench.result_header("exchange_rank0", TITLE, MODULE, argv, started, machine, since),
@@ -121,7 +124,16 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                 GOAL_MS,
                 "ms",
                 note="its calls and the hold-ups of its work, on less off, per exchange period",
-            )
+            ),
+            bench.target(
+                f"rank 0's scorer at {ranks[-1]} ranks: scoring an exchange (median) / the time between exchanges",
+                at_most["scoring_median_s"] / (at_most["step_s"] * steps_per_exchange),
+                "<=",
+                1.0,
+                "x",
+                note=f"the scorer keeps up with an exchange every {steps_per_exchange} steps of "
+                f"{at_most['step_s'] * 1e3:.0f} ms; longer steps give it longer",
+            ),
         ],
     }
 
@@ -149,10 +161,14 @@ def render_markdown(result: dict[str, Any]) -> str:
                     f"{arm['hooks_per_exchange_s'] * 1e3:.1f}",
                     f"{arm['worst_hold_on_s'] * 1e3:.1f} / {arm['worst_hold_off_s'] * 1e3:.1f}",
                     bench.fmt_ms(arm["step_s"]),
+                    f"{arm['scoring_median_s'] * 1e3:.0f} / {arm['scoring_max_s'] * 1e3:.0f} ms"
+                    if "scoring_median_s" in arm
+                    else "n/a",
                 ]
             )
     header = ["source", "ranks", "bytes a rank", "MB at rank 0", "ms added an exchange (mean)", "95% interval",
-              "of which in its calls", "longest hold, on / off (ms)", "step"]  # fmt: skip
+              "of which in its calls", "longest hold, on / off (ms)", "step",
+              "scoring an exchange, median / max"]  # fmt: skip
     return "\n".join(
         [
             f"## {result['title']}",
@@ -175,7 +191,9 @@ def render_markdown(result: dict[str, Any]) -> str:
             "full pass holds the thread a few ms). Nothing in the training process parses or copies the records: "
             "their descriptors go to the scoring process, which maps, reads and scores them; the N-wide scores come "
             "back mapped, the episodes only when they changed. The timings are a healthy job's (every rank within "
-            "5% of one step time): the scorer is not flooded with verdicts.",
+            "5% of one step time): the scorer is not flooded with verdicts. *Scoring an exchange*: the scoring "
+            "process's work on one exchange (reading the blobs, scoring its 10 steps), timed on fresh exchanges "
+            "after each run; it must stay under the time between two exchanges, or exchanges queue.",
         ]
     )
 
@@ -189,7 +207,13 @@ def readme_summary(result: dict[str, Any]) -> str:
         f"**Rank 0 during the straggler exchange at {int(n):,} ranks** (one process standing for rank 0, CPU): "
         f"{arm['added_per_exchange_s'] * 1e3:.1f} ms added to its training thread an exchange "
         f"(every 10 steps{before}), "
-        f"{arm['bytes_at_rank0'] / 1e6:.1f} MB received ({result['targets'][0]['verdict']})."
+        f"{arm['bytes_at_rank0'] / 1e6:.1f} MB received ({result['targets'][0]['verdict']})"
+        + (
+            f"; its scorer takes {arm['scoring_median_s'] * 1e3:.0f} ms an exchange (median), "
+            f"{result['targets'][1]['value']:.2f}x the time between exchanges ({result['targets'][1]['verdict']})."
+            if len(result["targets"]) > 1
+            else "."
+        )
     )
 
 
