@@ -52,18 +52,16 @@ def leave_one_out_reference(times: np.ndarray, reference: str = "median", *, pos
     if n < 2:
         return np.full(times.shape, np.nan)
     vals = times if n == times.size else times[ok]
-    order = np.argsort(vals)
-    ordered = vals[order]
-    pos = np.empty(n, dtype=np.int64)
-    pos[order] = np.arange(n)  # position of each valid rank in the sorted values
-    if reference == "fastest":
-        ref = np.where(pos == 0, ordered[1], ordered[0])
-    else:
-        m = n - 1  # the others; the j-th smallest of them is ordered[j] below a rank's position, ordered[j+1] above
-        j = m // 2
-        ref = ordered[j + (j >= pos)]
-        if m % 2 == 0:
-            ref = 0.5 * (ordered[j - 1 + (j - 1 >= pos)] + ref)
+    # Only the order statistics next to the answer are needed, not every rank's position: a partition (O(N)), not a
+    # sort. Removing a rank whose value is at most the k-th smallest v[k] shifts the others' k-th smallest to
+    # v[k+1]; a larger value leaves it at v[k] (ties choose between equal values).
+    m = n - 1  # the others
+    j = 0 if reference == "fastest" else m // 2
+    kth = sorted({max(j - 1, 0), j, j + 1})
+    v = np.partition(vals, kth)
+    ref = np.where(vals <= v[j], v[j + 1], v[j])
+    if reference != "fastest" and m % 2 == 0:
+        ref = 0.5 * (np.where(vals <= v[j - 1], v[j], v[j - 1]) + ref)
     if n == times.size:
         return np.asarray(ref, dtype=np.float64)
     out = np.full(times.shape, np.nan)
