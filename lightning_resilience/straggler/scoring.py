@@ -268,7 +268,7 @@ def _serve(conn: Any, parent_end: Any, score: ScoreFn, state: StateFn) -> None:
             try:
                 if message[0] == "score":
                     scored, shipped = _ship_scores(_score_received(conn, sock, message, score), sent)
-                    reply: tuple[str, Any] = ("scored", (scored, shipped.shapes))
+                    reply: tuple[str, Any] = ("scored", (scored, shipped and shipped.shapes))
                 else:
                     reply, shipped = ("state", state()), None
             except Exception:  # sent to the parent, which raises it
@@ -323,15 +323,18 @@ class _Shipped:
     shapes: list[tuple[tuple[int, ...], str]]
 
 
-def _ship_scores(scored: Scored, sent: list[bytes]) -> tuple[Scored, _Shipped]:
+def _ship_scores(scored: Scored, sent: list[bytes]) -> tuple[Scored, _Shipped | None]:
     """In the scoring process: the score arrays (sections x ranks, megabytes at thousands of ranks) out of the
     pickled reply and into one shared buffer, which the training process maps instead of reading and unpickling;
     the episodes (every verdict and decision so far) only when they changed since the last reply (``sent``: the
-    digest of the last ones shipped), else None: the training process keeps the ones it has."""
+    digest of the last ones shipped), else None: the training process keeps the ones it has. Where the platform has
+    no memfds the arrays stay in the reply (no shipment)."""
     digest = hashlib.blake2b(pickle.dumps(scored.episodes), digest_size=16).digest()
     if sent and sent[0] == digest:
         scored = dataclasses.replace(scored, episodes=None)
     sent[:] = [digest]
+    if not hasattr(os, "memfd_create"):
+        return scored, None
     arrays = [np.ascontiguousarray(a) for a in scored.scores[:2]]
     shipped = _Shipped(
         SharedBuffer.holding(b"".join(a.tobytes() for a in arrays)), [(a.shape, a.dtype.str) for a in arrays]
@@ -340,9 +343,12 @@ def _ship_scores(scored: Scored, sent: list[bytes]) -> tuple[Scored, _Shipped]:
     return dataclasses.replace(scored, scores=(empty, empty, scored.scores[2])), shipped
 
 
-def _land_scores(sock: socket.socket, scored: Scored, shapes: list[tuple[tuple[int, ...], str]]) -> Scored:
+def _land_scores(sock: socket.socket, scored: Scored, shapes: list[tuple[tuple[int, ...], str]] | None) -> Scored:
     """In the training process: map the shared buffer that follows a reply of :func:`_ship_scores` (copy on
-    write: the arrays are the rank's own) and view the arrays in it; nothing is copied."""
+    write: the arrays are the rank's own) and view the arrays in it; nothing is copied (``shapes`` None: the
+    arrays came in the reply)."""
+    if shapes is None:
+        return scored
     (fd,) = reduction.recvfds(sock, 1)
     try:
         mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)

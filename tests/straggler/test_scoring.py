@@ -308,3 +308,23 @@ def test_a_large_exchange_is_handed_over_while_the_scorer_is_busy() -> None:
     finally:
         release.set()
         scorer.close()
+
+
+def test_without_memfds_the_scores_come_back_in_the_reply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A platform without memfds (not Linux) still gets its scores back: in the pickled reply, not a mapping."""
+    import numpy as np
+
+    from lightning_resilience.straggler.scoring import Scored
+
+    monkeypatch.delattr(os, "memfd_create")  # before the fork: the scoring process has none either
+
+    def score(step: int, blobs: list[Any]) -> Scored:
+        return Scored([], {"n": step}, step, step, (np.full((2, 3), float(step)), np.zeros((2, 3)), 1.0))
+
+    scorer = ScoringProcess(score, lambda: None, timeout_s=30)
+    try:
+        scorer.submit(7, [frame([(0, b"mine")])])
+        (scored,) = scorer.take(wait=True)
+    finally:
+        scorer.close()
+    assert np.array_equal(scored.scores[0], np.full((2, 3), 7.0)) and scored.episodes == {"n": 7}
