@@ -32,9 +32,9 @@ import weakref
 import zlib
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
-__all__ = ["HOST_ENV", "Blob", "SharedBuffer", "TcpLinks", "link_host"]
+__all__ = ["HOST_ENV", "SHARED_MEMORY", "Blob", "SharedBuffer", "TcpLinks", "link_host"]
 
 HOST_ENV = "LIGHTNING_RESILIENCE_LINK_HOST"
 """The address peers reach this rank's links at (default: this host's address on the route to ``MASTER_ADDR``)."""
@@ -45,6 +45,10 @@ _COPY_LIMIT = 1 << 16  # payloads from this size on are sent after their size, n
 _MAGIC = b"LRL1"
 _RETRY_S = 0.05
 _HELLO_S = 5.0
+
+
+SHARED_MEMORY = hasattr(os, "memfd_create")
+"""Whether this platform makes :class:`SharedBuffer` (memfds: Linux); where it does not, payloads stay bytes."""
 
 
 class SharedBuffer(mmap.mmap):
@@ -217,9 +221,15 @@ class TcpLinks:
         """``n`` bytes from ``peer`` by ``end`` (monotonic)."""
         return _recv_exact(self._peer(peer, end), n, end, who=peer)
 
-    def _recv_payload(self, peer: int, end: float) -> bytes | None:
+    def _recv_payload(self, peer: int, end: float, *, shared: bool = False) -> Blob | None:
+        """One payload after its size (negative: None); ``shared``: a large one into a :class:`SharedBuffer`."""
         (n,) = _SIZE.unpack(self.recv(peer, _SIZE.size, end))
-        return None if n < 0 else self.recv(peer, n, end)
+        if n < 0 or not (shared and SHARED_MEMORY and n >= _COPY_LIMIT):
+            return None if n < 0 else self.recv(peer, n, end)
+        buf = SharedBuffer(n)
+        with memoryview(buf) as view:
+            _recv_into(self._peer(peer, end), view, end, who=peer)
+        return buf
 
     def exchange(
         self, payload: bytes | None, send_to: Sequence[int], recv_from: Sequence[int], end: float
@@ -232,23 +242,13 @@ class TcpLinks:
         for dst in send_to:
             for part in parts:
                 self.send(dst, part, end)
-        return [self._recv_payload(src, end) for src in recv_from]
+        return [cast(bytes | None, self._recv_payload(src, end)) for src in recv_from]
 
     def receive(self, recv_from: Sequence[int], end: float) -> list[Blob | None]:
         """The receiving half of :meth:`exchange`, by ``end``: one payload from each of ``recv_from``, a large one
         (64 KiB or more) in a :class:`SharedBuffer` where the platform has them (filled by the kernel: no copy
         under the interpreter lock, and another process can map it)."""
-        out: list[Blob | None] = []
-        for src in recv_from:
-            (n,) = _SIZE.unpack(self.recv(src, _SIZE.size, end))
-            if n < _COPY_LIMIT or not hasattr(os, "memfd_create"):
-                out.append(None if n < 0 else self.recv(src, n, end))
-                continue
-            buf = SharedBuffer(n)
-            with memoryview(buf) as view:
-                _recv_into(self._peer(src, end), view, end, who=src)
-            out.append(buf)
-        return out
+        return [self._recv_payload(src, end, shared=True) for src in recv_from]
 
     def swap(self, sends: Sequence[tuple[int, bytes]], recvs: Sequence[tuple[int, int]], end: float) -> list[bytes]:
         """Send each ``(peer, data)``, then receive ``(peer, size)`` bytes from each (sizes both sides know)."""

@@ -46,7 +46,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from lightning_resilience._lifetime import die_with_parent
-from lightning_resilience.links import Blob, SharedBuffer
+from lightning_resilience.links import SHARED_MEMORY, Blob, SharedBuffer
 from lightning_resilience.straggler.exchange import StragglerGatherError
 
 __all__ = ["Scored", "Scorer", "ScoringProcess", "ScoringThread", "open_scorer"]
@@ -333,7 +333,7 @@ def _ship_scores(scored: Scored, sent: list[bytes]) -> tuple[Scored, _Shipped | 
     if sent and sent[0] == digest:
         scored = dataclasses.replace(scored, episodes=None)
     sent[:] = [digest]
-    if not hasattr(os, "memfd_create"):
+    if not SHARED_MEMORY:
         return scored, None
     arrays = [np.ascontiguousarray(a) for a in scored.scores[:2]]
     shipped = _Shipped(

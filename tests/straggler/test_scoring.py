@@ -314,9 +314,10 @@ def test_without_memfds_the_scores_come_back_in_the_reply(monkeypatch: pytest.Mo
     """A platform without memfds (not Linux) still gets its scores back: in the pickled reply, not a mapping."""
     import numpy as np
 
+    from lightning_resilience.straggler import scoring
     from lightning_resilience.straggler.scoring import Scored
 
-    monkeypatch.delattr(os, "memfd_create")  # before the fork: the scoring process has none either
+    monkeypatch.setattr(scoring, "SHARED_MEMORY", False)  # before the fork: the scoring process has none either
 
     def score(step: int, blobs: list[Any]) -> Scored:
         return Scored([], {"n": step}, step, step, (np.full((2, 3), float(step)), np.zeros((2, 3)), 1.0))
