@@ -50,6 +50,13 @@ class SDCConfig:
     (a training instability spikes for many steps in a row, and the replay just showed the devices reproduce); they
     are still counted and still reach the policy as spikes, and a non-finite value always acts. 0: every spike asks
     for a replay."""
+    guard_grad_norm_stride: int = 4
+    """Under DDP every rank holds the same gradients after the all-reduce, so one rank's gradient norm speaks for the
+    job (the step's agreement carries what it finds to every rank): the norm of step ``s`` is computed by the ranks
+    ``r`` with ``r % k == s % k``, ``k = min(world_size, guard_grad_norm_stride)``. Every step is still checked, by a
+    ``1/k`` share of the ranks, and each rank's baseline still sees every ``k``-th step. 1: every rank, every step.
+    Gradients that are not replicated (no DDP wrapper) are checked on every rank. Gradients corrupted on one rank
+    after the all-reduce make the replicas differ, which the reconciliation finds."""
     param_norm_every_n_steps: int = 10
     """Steps between two parameter-norm checks (a jump against the baseline of norm changes fires the guard);
     0 disables the check."""
@@ -108,6 +115,8 @@ class SDCConfig:
             )
         if not (math.isfinite(self.guard_threshold) and self.guard_threshold > 0):
             raise ConfigError("sdc", "guard_threshold", f"must be a finite number > 0, got {self.guard_threshold}")
+        if self.guard_grad_norm_stride < 1:
+            raise ConfigError("sdc", "guard_grad_norm_stride", f"must be >= 1, got {self.guard_grad_norm_stride}")
         for key in (
             "guard_read_lag",
             "guard_quiet_steps",

@@ -87,6 +87,8 @@ class SDCMonitor:
         """The side group of every agreement (:mod:`lightning_resilience.collective`); a local one until setup."""
         self._hook: BucketFingerprintHook | None = None
         self._replayer: GradientReplayer | None = None
+        self._grad_stride = 1
+        """Ranks that take turns at the gradient-norm guard (set by :meth:`attach`)."""
         self._synced_loss_fn: Callable[[Any], torch.Tensor] | None = None
         self._to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
         self._step = 0
@@ -155,6 +157,8 @@ class SDCMonitor:
                 in a non-finite verdict; collective like the verdict).
         """
         self._committed = committed
+        # replicated gradients (DDP): the ranks take turns at the gradient-norm guard (sdc.guard_grad_norm_stride)
+        self._grad_stride = min(self.world_size, self.config.guard_grad_norm_stride) if ddp is not None else 1
         if self.world_size > 1 and ddp is None:
             raise ValueError("SDC replay across several ranks needs the DDP-wrapped model (attach(..., ddp=...))")
         no_sync = ddp.no_sync if ddp is not None else None
@@ -229,7 +233,9 @@ class SDCMonitor:
 
     def _observe_guards(self, replayed: bool = False) -> GuardReport | None:
         pn = param_norm(self.params) if self._due(self.config.param_norm_every_n_steps) else None
-        self._guard_report = self.reader.observe(self._step, self._loss, grad_norm(self.params), pn, replayed=replayed)
+        k = self._grad_stride
+        gn = grad_norm(self.params) if self._step % k == self.rank % k else None  # this rank's turn
+        self._guard_report = self.reader.observe(self._step, self._loss, gn, pn, replayed=replayed)
         return self._guard_report
 
     def spent_seconds(self) -> float:

@@ -220,7 +220,7 @@ def _guard_fires_at_steps(rank: int, steps: tuple[int, ...], quiet_steps: int) -
     Guards.check = fires  # type: ignore[method-assign]
     config = SDCConfig(
         replay_every_n_steps=0, reconcile_every_n_steps=0, ddp_fingerprint=False, guard_min_history=2,
-        guard_quiet_steps=quiet_steps,
+        guard_quiet_steps=quiet_steps, guard_grad_norm_stride=1,  # every rank's baseline warm by step 3
     )  # fmt: skip
     _, _, monitor = train(STEPS, config, rank=rank, ddp=True)
     assert monitor is not None
@@ -238,6 +238,62 @@ def test_a_spike_found_genuine_quiets_its_guard(tmp_path: Path, quiet_steps: int
     results = run_ranks(_guard_fires_at_steps, 2, tmp_path, (3, 5), quiet_steps)
     assert all(r["rounds"] == rounds and r["fired"] == 2 for r in results), results
     assert _summary(results) == [(5, "anomaly", "none", [])] + ([(7, "anomaly", "none", [])] if rounds == 2 else [])
+
+
+def _grad_norm_turns(rank: int, stride: int, flip_at: int | None) -> dict[str, Any]:
+    """The steps whose gradient norm this rank computed, and what its guards found at each step (``flip_at``: rank 1
+    flips the top exponent bit of one of its local gradients, before the all-reduce)."""
+    from lightning_resilience.sdc.guards import GuardReader
+
+    observe, arrived = GuardReader.observe, GuardReader.arrived
+    computed: list[int] = []
+    found: dict[int, list[str]] = {}
+
+    def recorded(self: GuardReader, step: int, loss: Any, grad: Any, param: Any, **kw: Any) -> Any:
+        if grad is not None:
+            computed.append(step)
+        return observe(self, step, loss, grad, param, **kw)
+
+    def read(self: GuardReader) -> Any:
+        reports = arrived(self)
+        for report in reports:
+            found.setdefault(report.step, []).extend(report.fired)
+        return reports
+
+    GuardReader.observe, GuardReader.arrived = recorded, read  # type: ignore[method-assign]
+    config = SDCConfig(
+        replay_every_n_steps=0, reconcile_every_n_steps=0, ddp_fingerprint=False, guard_min_history=2,
+        guard_grad_norm_stride=stride,
+    )  # fmt: skip
+    plan = [] if flip_at is None else [FlipSpec("grad", flip_at, 1, bit=30, target="blocks.0.mlp.fc.weight")]
+    _, _, monitor = train(STEPS, config, rank=rank, ddp=True, plan=plan)
+    assert monitor is not None
+    return {"computed": computed, "found": found, "rounds": monitor.stats.replay_rounds, "dirty": monitor.dirty}
+
+
+@pytest.mark.parametrize(("world", "stride"), [(2, 4), (3, 2), (2, 1)])
+def test_ranks_take_turns_at_the_gradient_norm(tmp_path: Path, world: int, stride: int) -> None:
+    """Under DDP the gradients are the same on every rank after the all-reduce: step ``s``'s norm is computed by the
+    ranks ``r`` with ``r % k == s % k`` (``k = min(world, stride)``), so every step is checked and each rank does
+    ``1/k`` of the work; a stride of 1 checks every step on every rank."""
+    results = run_ranks(_grad_norm_turns, world, tmp_path, stride, None)
+    k = min(world, stride)
+    for rank, r in enumerate(results):
+        assert r["computed"] == [s for s in range(STEPS) if s % k == rank % k], (rank, r)
+    assert sorted({s for r in results for s in r["computed"]}) == list(range(STEPS))
+
+
+def test_a_gradient_flip_on_one_rank_is_found_at_another_ranks_turn(tmp_path: Path) -> None:
+    """Rank 1's local gradient is corrupted at step 6, rank 0's turn: the all-reduce carries the corruption to every
+    rank, rank 0's guard finds it (rank 1 did not compute that norm), and the late guards' agreement has every rank
+    act alike: replay the next step (a spike), or stop training on the update (a non-finite norm)."""
+    results = run_ranks(_grad_norm_turns, 2, tmp_path, 4, 6)
+    first, second = results
+    assert 6 in first["computed"] and 6 not in second["computed"]
+    assert {"grad_norm_spike", "nonfinite_grad"} & set(first["found"].get("6", [])), first["found"]
+    assert not {"grad_norm_spike", "nonfinite_grad"} & set(second["found"].get("6", [])), second["found"]
+    acted = [(r["rounds"], r["dirty"]) for r in results]
+    assert acted[0] == acted[1] and (acted[0][0] >= 1 or acted[0][1]), acted
 
 
 def _guard_fires_at_step_6(rank: int, kind: str, faulty_rank: int | None = None) -> dict[str, Any]:
