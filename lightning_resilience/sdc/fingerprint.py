@@ -18,7 +18,7 @@ with one copy, so a check costs one host read however many tensors it covers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, cast
+from typing import Protocol
 
 import torch
 
@@ -27,9 +27,6 @@ from lightning_resilience._staging import to_host
 __all__ = ["BitwiseDigest", "Digest", "ToleranceDigest", "make_digest"]
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-BATCH_ELEMENTS = 1 << 22
-"""Elements digested together by :meth:`BitwiseDigest.compute_many` (the batch is read as int64: 32 MB, and as
-much again for its weighted copy); a larger tensor is digested alone."""
 
 
 class Digest(Protocol):
@@ -43,11 +40,6 @@ class Digest(Protocol):
     def compute(self, tensor: torch.Tensor | None) -> torch.Tensor:
         """The digest of one tensor, shape ``[width]`` on the tensor's device (nothing is read to the host);
         ``None`` (no gradient) digests as zeros on the host."""
-        ...
-
-    def compute_many(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-        """The digest of each tensor, as :meth:`compute` gives it (a digest may take many tensors in a few device
-        operations instead of a few per tensor)."""
         ...
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
@@ -98,65 +90,6 @@ class BitwiseDigest:
             by_col = by_col + (tail * torch.arange(1, n - full + 1, device=dev)).sum()
         return torch.stack([total, by_row, by_col])
 
-    def compute_many(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-        """Every digest, the same as :meth:`compute`'s, in about twenty device operations per batch instead of about
-        ten per tensor (a model's state is hundreds of tensors: the per-operation overhead, a kernel launch on a GPU,
-        was most of a reconciliation's cost). Tensors of one device and integer width go together, up to
-        ``BATCH_ELEMENTS`` elements a batch; a larger one alone, as :meth:`compute` does it."""
-        out: list[torch.Tensor | None] = [None] * len(tensors)
-        groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
-        for i, tensor in enumerate(tensors):
-            if tensor is None or tensor.numel() == 0 or tensor.numel() > BATCH_ELEMENTS:
-                out[i] = self.compute(tensor)
-                continue
-            ints = _int_view(tensor)
-            groups.setdefault((ints.device, ints.dtype), []).append((i, ints))
-        for members in groups.values():
-            batch: list[tuple[int, torch.Tensor]] = []
-            size = 0
-            for member in members:
-                if batch and size + member[1].numel() > BATCH_ELEMENTS:
-                    self._batch(batch, out)
-                    batch, size = [], 0
-                batch.append(member)
-                size += member[1].numel()
-            self._batch(batch, out)
-        assert all(o is not None for o in out)
-        return cast(list[torch.Tensor], out)
-
-    def _batch(self, batch: list[tuple[int, torch.Tensor]], out: list[torch.Tensor | None]) -> None:
-        """The digests of ``batch`` (flat integer views of one device and dtype): each tensor laid out as rows of
-        ``row`` elements, its last row padded with zeros (zeros add nothing to any of the three sums), all in one
-        grid. Per grid row: its sum and its column-weighted sum; per tensor, sums of those over its rows, as
-        differences of running sums (wrapping int64, like the sums of :meth:`compute`)."""
-        row = self.row
-        first = batch[0][1]
-        dev = first.device
-        pad = torch.zeros(row, dtype=first.dtype, device=dev)
-        parts: list[torch.Tensor] = []
-        bounds: list[int] = [0]
-        for _, ints in batch:
-            n = ints.numel()
-            parts.append(ints)
-            if n % row:
-                parts.append(pad[: row - n % row])
-            bounds.append(bounds[-1] - (-n // row))
-        grid = torch.cat(parts).view(-1, row).to(torch.int64)
-        index = torch.tensor(bounds, dtype=torch.int64).to(dev)
-        starts, ends = index[:-1], index[1:]
-        rows = grid.sum(dim=1)
-        by_cols = (grid * torch.arange(1, row + 1, device=dev)).sum(dim=1)
-        numbered = rows * torch.arange(1, rows.numel() + 1, device=dev)
-        zero = torch.zeros((1, 3), dtype=torch.int64, device=dev)
-        run = torch.cat([zero, torch.stack([rows, numbered, by_cols], dim=1).cumsum(0)])  # run[k]: rows before k
-        sums = run[ends] - run[starts]
-        total = sums[:, 0]
-        # a tensor's rows numbered from 1: the grid-wide numbering less the rows before the tensor, times its total
-        by_row = sums[:, 1] - starts * total
-        digests = torch.stack([total, by_row, sums[:, 2]], dim=1)
-        for k, (i, _) in enumerate(batch):
-            out[i] = digests[k]
-
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.sum(dim=0)  # only for a summary: position weights are per tensor
 
@@ -180,9 +113,6 @@ class ToleranceDigest:
         x = tensor.detach().reshape(-1).to(torch.float64)
         return torch.stack([x.sum(), x.square().sum(), x.abs().max()])
 
-    def compute_many(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-        return [self.compute(t) for t in tensors]
-
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.stack([rows[:, 0].sum(), rows[:, 1].sum(), rows[:, 2].max()])
 
@@ -205,7 +135,7 @@ def digest_all(digest: Digest, tensors: Sequence[torch.Tensor | None]) -> torch.
     """Digests of several tensors, stacked on the host: ``[len(tensors), digest.width]`` (one device read)."""
     if not tensors:
         return torch.zeros(0, digest.width)
-    return to_host(digest.compute_many(tensors))
+    return to_host([digest.compute(t) for t in tensors])
 
 
 def group_rows(digest: Digest, rows: torch.Tensor, groups: Sequence[Sequence[int]]) -> torch.Tensor:
