@@ -87,8 +87,7 @@ class SDCMonitor:
         """The side group of every agreement (:mod:`lightning_resilience.collective`); a local one until setup."""
         self._hook: BucketFingerprintHook | None = None
         self._replayer: GradientReplayer | None = None
-        self._grad_stride = 1
-        """Ranks that take turns at the gradient-norm guard (set by :meth:`attach`)."""
+        self._grad_stride = 1  # ranks taking turns at the gradient-norm guard (set by attach)
         self._synced_loss_fn: Callable[[Any], torch.Tensor] | None = None
         self._to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
         self._step = 0
