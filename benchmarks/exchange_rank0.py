@@ -161,9 +161,7 @@ def render_markdown(result: dict[str, Any]) -> str:
                     f"{arm['hooks_per_exchange_s'] * 1e3:.1f}",
                     f"{arm['worst_hold_on_s'] * 1e3:.1f} / {arm['worst_hold_off_s'] * 1e3:.1f}",
                     bench.fmt_ms(arm["step_s"]),
-                    f"{arm['scoring_median_s'] * 1e3:.0f} / {arm['scoring_max_s'] * 1e3:.0f} ms"
-                    if "scoring_median_s" in arm
-                    else "n/a",
+                    f"{arm['scoring_median_s'] * 1e3:.0f} / {arm['scoring_max_s'] * 1e3:.0f} ms",
                 ]
             )
     header = ["source", "ranks", "bytes a rank", "MB at rank 0", "ms added an exchange (mean)", "95% interval",
@@ -207,13 +205,9 @@ def readme_summary(result: dict[str, Any]) -> str:
         f"**Rank 0 during the straggler exchange at {int(n):,} ranks** (one process standing for rank 0, CPU): "
         f"{arm['added_per_exchange_s'] * 1e3:.1f} ms added to its training thread an exchange "
         f"(every 10 steps{before}), "
-        f"{arm['bytes_at_rank0'] / 1e6:.1f} MB received ({result['targets'][0]['verdict']})"
-        + (
-            f"; its scorer takes {arm['scoring_median_s'] * 1e3:.0f} ms an exchange (median), "
-            f"{result['targets'][1]['value']:.2f}x the time between exchanges ({result['targets'][1]['verdict']})."
-            if len(result["targets"]) > 1
-            else "."
-        )
+        f"{arm['bytes_at_rank0'] / 1e6:.1f} MB received ({result['targets'][0]['verdict']}); its scorer takes "
+        f"{arm['scoring_median_s'] * 1e3:.0f} ms an exchange (median), {result['targets'][1]['value']:.2f}x the time "
+        f"between exchanges ({result['targets'][1]['verdict']})."
     )
 
 
