@@ -12,6 +12,7 @@ after which every rank computes the same verdicts from the same records (:func:`
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -83,12 +84,18 @@ def encode_payload(payload: Payload) -> bytes:
     if len(times) != len(steps):
         raise ValueError(f"straggler: {len(times)} rows of timings for {len(steps)} steps")
     sections = list(times[0]) if times else []
-    text = json.dumps({"host": str(payload.get("host", "")), "sections": sections}, separators=(",", ":")).encode()
+    text = _text(str(payload.get("host", "")), tuple(sections))
     head = _HEAD.pack(
         _MAGIC, int(payload["rank"]), int(payload.get("local_world_size") or 0), len(steps), len(sections), len(text)
     )
     values = np.array([[row.get(name, math.nan) for name in sections] for row in times], dtype="<f4")
     return head + text + np.array(steps, dtype="<i8").tobytes() + values.tobytes()
+
+
+@functools.lru_cache(maxsize=16)
+def _text(host: str, sections: tuple[str, ...]) -> bytes:
+    """The payload's JSON text: the same at every exchange of a rank (made once, not on each exchange step)."""
+    return json.dumps({"host": host, "sections": list(sections)}, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True)

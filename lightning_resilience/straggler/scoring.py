@@ -220,7 +220,7 @@ class ScoringProcess:
 
     def _receive(self, kind: str) -> Any:
         deadline = time.monotonic() + self._timeout_s
-        while not self._conn.poll(0.5):
+        while not self._ready.poll(500):  # at once when the answer is there (ms; Connection.poll makes a selector)
             if not self._process.is_alive() and not self._conn.poll():
                 raise self._gone(f"it exited with code {self._process.exitcode}")
             if self._send_error is not None:
