@@ -297,7 +297,7 @@ def run_trial(trial: Trial, args: argparse.Namespace, index: int) -> dict[str, A
                 "verdicts": [v.to_dict() for v in det.verdicts],
                 "noise_level": [v.to_dict() for v in det.noise_level],
                 "decisions": [d.to_dict() for d in det.decisions],
-                "history": list(det.history),
+                "history": [(step, {k: v.tolist() for k, v in t.items()}) for step, t in det.history],
                 "summary": detection.summary(),
                 "report": det.report(),
             }

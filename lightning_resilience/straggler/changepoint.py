@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_resilience.straggler.scores import nanmedian_columns
+from lightning_resilience.straggler.scores import nanmedian_rows
 
 __all__ = ["MIN_HISTORY", "ChangePointEvents", "RobustCusum"]
 
@@ -92,7 +92,7 @@ class RobustCusum:
         self.last_zero = np.full(world_size, -1, dtype=np.int64)
         self._recent = np.full((confirm_steps, world_size), np.nan)
         self._recent_idx = np.zeros(world_size, dtype=np.int64)
-        self._hist = np.full((window, world_size), np.nan)
+        self._hist = np.full((world_size, window), np.nan)  # a series' samples in one row: sorted in place
         self._hist_idx = np.zeros(world_size, dtype=np.int64)
         self._calm = np.zeros(world_size, dtype=np.int64)
         self.scale = np.full(world_size, np.nan)
@@ -146,7 +146,7 @@ class RobustCusum:
         calm_mask = valid & ~self.flagged
         calm_mask[ended] = False
         calm = np.flatnonzero(calm_mask)
-        self._hist[self._hist_idx[calm] % self.window, calm] = y[calm]
+        self._hist[calm, self._hist_idx[calm] % self.window] = y[calm]
         self._hist_idx[calm] += 1
         self._updates += 1
         if self._updates % MIN_HISTORY == 0:
@@ -158,11 +158,8 @@ class RobustCusum:
         ready = np.flatnonzero(self._hist_idx >= MIN_HISTORY)
         if not ready.size:
             return
-        hist = self._hist[:, ready]
-        if np.all(self._hist_idx[ready] >= self.window):
-            mad = np.median(np.abs(hist - np.median(hist, axis=0)), axis=0)
-        else:  # unfilled slots: NaN
-            mad = nanmedian_columns(np.abs(hist - nanmedian_columns(hist)))
+        hist = self._hist if ready.size == self._hist.shape[0] else self._hist[ready]
+        mad = nanmedian_rows(np.abs(hist - nanmedian_rows(hist)[:, None]))  # unfilled slots: NaN
         # few samples give a rough estimate: take its upper side (x1.35 from 8 samples, x1.125 from 64)
         n = np.minimum(self._hist_idx[ready], self.window)
         self._scales[(self._updates // MIN_HISTORY) % _SCALE_MEMORY, ready] = _MAD_TO_SIGMA * mad * (1 + n**-0.5)

@@ -145,8 +145,9 @@ class StragglerDetector:
         self.nodes: list[str] = [""] * world_size
         self.node_index: list[int] = list(range(world_size))
         cap = max(64, self.config.confirm_steps, min(_HISTORY_CAP, _HISTORY_VALUES // (4 * world_size)))
-        self.history: deque[tuple[int, dict[str, list[float]]]] = deque(maxlen=cap)  # the newest samples
-        """Per exchange: (step, {section: seconds per rank}) for step, compute, data and wait."""
+        self.history: deque[tuple[int, dict[str, np.ndarray]]] = deque(maxlen=cap)  # the newest samples
+        """Per gathered step: (step, {section: seconds per rank}) for step, compute, data and wait."""
+        self._texts: dict[bytes, tuple[str, tuple[str, ...]]] = {}  # where it scores: the payloads' texts read
         self.last_decisions: list[Escalation] = []
         self.gathers = 0
         self.gather_seconds = 0.0
@@ -274,7 +275,9 @@ class StragglerDetector:
 
     def _score_bodies(self, step: int, blobs: Sequence[Blob]) -> Scored:
         """Where the scorer runs: read, decode and score the blobs of one exchange; what the training process needs."""
-        decisions, board = self.consume(step, decode_gathered(blobs)), self.scoreboard
+        if len(self._texts) > 2 * self.world_size + 16:  # hosts renamed over a long run: start over
+            self._texts.clear()
+        decisions, board = self.consume(step, decode_gathered(blobs, self._texts)), self.scoreboard
         scores = (board.relative, board.individual, board.job_last)
         return Scored(decisions, self.episodes, self.gathers, self._last_gather_step, scores)
 
@@ -383,7 +386,7 @@ class StragglerDetector:
         self._last_gather_step = step
         data = column[DATA]
         work = column[COMPUTE] + np.where(np.isnan(data), 0.0, data)  # no data wait measured (after a pause)
-        self.history.append((step, {k: column[k].tolist() for k in (STEP, COMPUTE, DATA, WAIT)}))
+        self.history.append((step, {k: column[k].copy() for k in (STEP, COMPUTE, DATA, WAIT)}))
         board = self.scoreboard
         events = board.update(step, np.stack([column[name] for name in self.sections]), work)
         score = "relative" if self.mode == "relative" else "individual"

@@ -153,7 +153,7 @@ def _fmt_x(value: float) -> str:
     return "n/a" if not np.isfinite(value) else f"{value:.2f}x"
 
 
-def wait_evidence(history: Reversible[tuple[int, dict[str, list[float]]]], last: int) -> Callable[[int], str]:
+def wait_evidence(history: Reversible[tuple[int, dict[str, np.ndarray]]], last: int) -> Callable[[int], str]:
     """Who waits for whom over the ``last`` gathered steps of ``history``, for any rank: the median of the other
     ranks' median collective wait per step, and the rank's own ('' when waits are not measured). Read once for all
     the verdicts of a step (a few NumPy calls over N ranks, not a Python float each)."""
@@ -162,7 +162,7 @@ def wait_evidence(history: Reversible[tuple[int, dict[str, list[float]]]], last:
     def evidence(rank: int) -> str:
         if not read:
             tail = list(itertools.islice(reversed(history), last))  # the newest ``last``, never the whole history
-            rows = [np.asarray(w, dtype=np.float64) for _, s in tail if (w := s.get(WAIT))]
+            rows = [np.asarray(w, dtype=np.float64) for _, s in tail if (w := s.get(WAIT)) is not None and len(w)]
             own = nanmedian_columns(np.stack(rows)) if rows else np.empty(0)
             read.append((own, leave_one_out_reference(own)))
         own, others = read[0]

@@ -16,6 +16,7 @@ __all__ = [
     "excess_slowdowns",
     "leave_one_out_reference",
     "nanmedian_columns",
+    "nanmedian_rows",
     "relative_slowdowns",
 ]
 
@@ -23,11 +24,24 @@ __all__ = [
 def nanmedian_columns(a: np.ndarray) -> np.ndarray:
     """``np.nanmedian(a, axis=0)`` of a 2-D array by one sort (NumPy takes a masked-array path for short columns:
     0.1 s for 64 x 115k at 16,384 ranks); NaN where a column has no value."""
-    ordered = np.sort(a, axis=0)  # NaN sort last
-    k = np.count_nonzero(~np.isnan(a), axis=0)
-    lo = np.take_along_axis(ordered, ((k - 1) // 2).clip(min=0)[None], axis=0)[0]
-    hi = np.take_along_axis(ordered, (k // 2).clip(max=max(a.shape[0] - 1, 0))[None], axis=0)[0]
-    return np.where(k > 0, 0.5 * (lo + hi), np.nan)
+    return _nanmedian(a, 0)
+
+
+def nanmedian_rows(a: np.ndarray) -> np.ndarray:
+    """``np.nanmedian(a, axis=1)`` of a 2-D array by one sort; NaN where a row has no value. Many short contiguous
+    rows (a window of samples per series) sort about 13x faster than ``np.median`` partitions them (NumPy sorts
+    short rows with SIMD; a partition with two pivots pays its setup per row): 20 ms for 131k rows of 64."""
+    return _nanmedian(a, 1)
+
+
+def _nanmedian(a: np.ndarray, axis: int) -> np.ndarray:
+    """The median along ``axis`` of the non-NaN values; without NaN, ``np.median``'s values bit for bit (the middle
+    value, or the mean of the two middle ones)."""
+    ordered = np.sort(a, axis=axis)  # NaN sort last
+    k = np.expand_dims(np.count_nonzero(~np.isnan(a), axis=axis), axis)
+    lo = np.take_along_axis(ordered, ((k - 1) // 2).clip(min=0), axis=axis)
+    hi = np.take_along_axis(ordered, (k // 2).clip(max=max(a.shape[axis] - 1, 0)), axis=axis)
+    return np.where(k > 0, 0.5 * (lo + hi), np.nan).squeeze(axis)
 
 
 def leave_one_out_reference(times: np.ndarray, reference: str = "median", *, positive: bool = False) -> np.ndarray:
@@ -117,7 +131,7 @@ class IndividualBaseline:
         self.min_samples = min(min_samples, window)
         self.refresh = max(1, window // 8)
         self._updates = 0
-        self._ring = np.full((window, world_size), np.nan)
+        self._ring = np.full((world_size, window), np.nan)  # a series' window in one row: sorted in place
         self._count = np.zeros(world_size, dtype=np.int64)
         self.best = np.full(world_size, np.nan)
 
@@ -126,7 +140,7 @@ class IndividualBaseline:
         take = np.flatnonzero(mask & np.isfinite(times) & (times >= 0))
         if take.size == 0:
             return
-        self._ring[self._count[take] % self.window, take] = times[take]
+        self._ring[take, self._count[take] % self.window] = times[take]
         self._count[take] += 1
         self._updates += 1
         if self._updates % self.refresh == 0:  # the baseline moves slowly: the step must not pay a median each time
@@ -136,9 +150,8 @@ class IndividualBaseline:
         ready = np.flatnonzero(self._count >= self.min_samples)
         if not ready.size:
             return
-        ring = self._ring[:, ready]
-        filled = np.all(self._count[ready] >= self.window)
-        level = np.median(ring, axis=0) if filled else nanmedian_columns(ring)  # unfilled slots: NaN
+        ring = self._ring if ready.size == self._ring.shape[0] else self._ring[ready]
+        level = nanmedian_rows(ring)  # unfilled slots: NaN
         self.best[ready] = np.fmin(self.best[ready], level)
 
     def slowdowns(self, times: np.ndarray) -> np.ndarray:

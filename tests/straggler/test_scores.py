@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
 
-from lightning_resilience.straggler.scores import IndividualBaseline, relative_slowdowns
+from lightning_resilience.straggler.scores import (
+    IndividualBaseline,
+    nanmedian_columns,
+    nanmedian_rows,
+    relative_slowdowns,
+)
 
 
 def test_two_ranks_compare_with_each_other() -> None:
@@ -49,3 +55,20 @@ def test_individual_baseline_is_own_best_and_ignores_masked_samples() -> None:
         base.update(np.array([3.0, 1.5]), np.array([False, True]))
     assert base.best == pytest.approx([1.0, 1.5])
     assert base.slowdowns(np.array([1.2, 3.0])) == pytest.approx([1.2, 2.0])
+
+
+def test_row_medians_are_numpy_s_bit_for_bit_and_skip_nan() -> None:
+    """The windows of the baseline and of the noise scale are rows, their medians one sort of them: the values of
+    ``np.median`` without NaN (odd and even lengths), of ``np.nanmedian`` with, NaN for a row with no value."""
+    rng = np.random.default_rng(3)
+    for width in (1, 2, 7, 64):
+        rows = rng.lognormal(-3.0, 0.3, (500, width))
+        assert np.array_equal(nanmedian_rows(rows), np.median(rows, axis=1))
+        assert np.array_equal(nanmedian_columns(rows.T), np.median(rows, axis=1))
+        holes = rows.copy()
+        holes[rng.random(holes.shape) < 0.3] = np.nan
+        holes[0] = np.nan
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the all-NaN row
+            expected = np.nanmedian(holes, axis=1)
+        assert np.array_equal(nanmedian_rows(holes), expected, equal_nan=True)
