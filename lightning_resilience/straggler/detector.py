@@ -142,8 +142,7 @@ class StragglerDetector:
         self._ended = 0  # end_step calls (every rank makes the same number: it decides when to gather)
         self._last_step: int | None = None
         self._last_gather_step: int | None = None
-        self.nodes: list[str] = [""] * world_size
-        self.node_index: list[int] = list(range(world_size))
+        self.nodes, self.node_index = [""] * world_size, list(range(world_size))  # host and node index per rank
         cap = max(64, self.config.confirm_steps, min(_HISTORY_CAP, _HISTORY_VALUES // (4 * world_size)))
         self.history: deque[tuple[int, dict[str, np.ndarray]]] = deque(maxlen=cap)  # the newest samples
         """Per gathered step: (step, {section: seconds per rank}) for step, compute, data and wait."""
@@ -275,8 +274,6 @@ class StragglerDetector:
 
     def _score_bodies(self, step: int, blobs: Sequence[Blob]) -> Scored:
         """Where the scorer runs: read, decode and score the blobs of one exchange; what the training process needs."""
-        if len(self._texts) > 2 * self.world_size + 16:  # hosts renamed over a long run: start over
-            self._texts.clear()
         decisions, board = self.consume(step, decode_gathered(blobs, self._texts)), self.scoreboard
         scores = (board.relative, board.individual, board.job_last)
         return Scored(decisions, self.episodes, self.gathers, self._last_gather_step, scores)
