@@ -21,7 +21,7 @@ from lightning_resilience.checkpoint.memory import MemoryTier
 from lightning_resilience.lightning.callbacks.policy import ResiliencePolicy
 from lightning_resilience.lightning.callbacks.straggler import StragglerDetection
 from lightning_resilience.lightning.callbacks.tiered_checkpoint import TieredCheckpoint
-from lightning_resilience.policy import PolicyConfig
+from lightning_resilience.policy import Event, PolicyConfig
 from lightning_resilience.straggler.config import StragglerConfig, StragglerLevelConfig
 
 STRAGGLER_EXIT_CODE = ExitCode.STRAGGLER
@@ -188,3 +188,42 @@ def test_ddp_spawn_two_ranks_name_the_slow_one_and_both_stop(tmp_path: Path) -> 
     # its verdict may come with the next exchange rather than this one
     assert len(steps) == 1 and 30 < steps.pop() <= 30 + 12 + 2 * cadence + 1
     assert records[0]["metrics"]["resilience/straggler/compute/slowest_rank"] == 1
+
+
+def test_a_decision_taken_while_the_next_exchange_is_scored_is_logged_and_posted() -> None:
+    """Rank 0's scorer may always have the next exchange in flight when one lands (a loaded machine, thousands of
+    ranks): the decisions that land are still logged and a stop is still posted to the policy, at once."""
+    from types import SimpleNamespace
+    from unittest.mock import PropertyMock, patch
+
+    from lightning_resilience.straggler import StragglerDetector
+    from lightning_resilience.straggler.config import StragglerConfig as Config
+    from tests.straggler._sim import FakeClock
+
+    config = Config(warmup_steps=2, levels=LADDER)
+    clock = FakeClock()
+
+    def gather(payload: dict[str, Any]) -> list[dict[str, Any]]:  # rank 1 computes 1.5x longer from step 30
+        slow = [1.5 if step >= 30 else 1.0 for step in payload["steps"]]
+        times = [{k: v * f if k in ("step", "compute", "forward") else v for k, v in row.items()}
+                 for row, f in zip(payload["times"], slow)]  # fmt: skip
+        return [payload, payload | {"rank": 1, "times": times}]
+
+    posted: list[Any] = []
+    callback = StragglerDetection(config, clock=clock)
+    callback.detector = StragglerDetector(config, rank=0, world_size=2, gather=gather, clock=clock)
+    trainer = SimpleNamespace(global_step=0, global_rank=0, loggers=[])
+    callback._trainer = trainer  # type: ignore[assignment]
+    callback._suite = SimpleNamespace(post=lambda _trainer, verdict: posted.append(verdict))  # type: ignore[assignment]
+    with patch.object(StragglerDetector, "scoring", new_callable=PropertyMock, return_value=True):
+        for step in range(1, 80):
+            trainer.global_step = step
+            callback.detector.start_step()
+            with callback.detector.section("forward"):
+                clock.advance(0.1)
+            callback.finish_step(step)
+            if posted:
+                break
+    assert posted and posted[0].event is Event.STRAGGLER and "rank 1" in posted[0].detail
+    assert 30 < posted[0].step <= 60
+    assert callback.last_metrics["resilience/straggler/compute/slowest_rank"] == 1

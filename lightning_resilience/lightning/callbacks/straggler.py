@@ -213,8 +213,11 @@ class StragglerDetection(Callback):
         started = time.perf_counter()
         decisions = detector.end_step(step)
         self.spent_s += time.perf_counter() - started  # the detector's step end: what the cost budget counts
-        if detector.scoring:
-            return  # rank 0 is scoring on its own thread: its scores and ladder are read once it is done
+        if detector.scoring and not decisions:
+            # the next exchange is being scored (a scoring thread updates the scores and the ladder as it goes): read
+            # them once it is done. Decisions just taken are logged and acted on now: a scorer that is always an
+            # exchange behind (a loaded machine, thousands of ranks) would otherwise never post its stop
+            return
         self._maybe_log_metrics(trainer, decisions)
         if detector.should_stop and not self._posted:
             assert detector.stop_decision is not None
