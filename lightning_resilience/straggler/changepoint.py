@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_resilience.straggler.scores import nanmedian_rows
+from lightning_resilience.straggler.scores import nanmedian
 
 __all__ = ["MIN_HISTORY", "ChangePointEvents", "RobustCusum"]
 
@@ -92,7 +92,7 @@ class RobustCusum:
         self.last_zero = np.full(world_size, -1, dtype=np.int64)
         self._recent = np.full((confirm_steps, world_size), np.nan)
         self._recent_idx = np.zeros(world_size, dtype=np.int64)
-        self._hist = np.full((world_size, window), np.nan)  # a series' samples in one row: sorted in place
+        self._hist = np.full((world_size, window), np.nan)  # a series' samples in one row: medians sort rows
         self._hist_idx = np.zeros(world_size, dtype=np.int64)
         self._calm = np.zeros(world_size, dtype=np.int64)
         self.scale = np.full(world_size, np.nan)
@@ -159,7 +159,7 @@ class RobustCusum:
         if not ready.size:
             return
         hist = self._hist if ready.size == self._hist.shape[0] else self._hist[ready]
-        mad = nanmedian_rows(np.abs(hist - nanmedian_rows(hist)[:, None]))  # unfilled slots: NaN
+        mad = nanmedian(np.abs(hist - nanmedian(hist, 1)[:, None]), 1)  # unfilled slots: NaN
         # few samples give a rough estimate: take its upper side (x1.35 from 8 samples, x1.125 from 64)
         n = np.minimum(self._hist_idx[ready], self.window)
         self._scales[(self._updates // MIN_HISTORY) % _SCALE_MEMORY, ready] = _MAD_TO_SIGMA * mad * (1 + n**-0.5)

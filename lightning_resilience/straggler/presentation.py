@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lightning_resilience.straggler.scores import leave_one_out_reference, nanmedian_columns
+from lightning_resilience.straggler.scores import leave_one_out_reference, nanmedian
 from lightning_resilience.straggler.timing import COMPUTE, DATA, STEP, WAIT
 
 if TYPE_CHECKING:
@@ -162,8 +162,7 @@ def wait_evidence(history: Reversible[tuple[int, dict[str, np.ndarray]]], last: 
     def evidence(rank: int) -> str:
         if not read:
             tail = list(itertools.islice(reversed(history), last))  # the newest ``last``, never the whole history
-            rows = [np.asarray(w, dtype=np.float64) for _, s in tail if (w := s.get(WAIT)) is not None and len(w)]
-            own = nanmedian_columns(np.stack(rows)) if rows else np.empty(0)
+            own = nanmedian(np.stack([s[WAIT] for _, s in tail]), 0) if tail else np.empty(0)
             read.append((own, leave_one_out_reference(own)))
         own, others = read[0]
         if not (rank < own.size and math.isfinite(own[rank]) and math.isfinite(others[rank])):

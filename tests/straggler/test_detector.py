@@ -258,7 +258,7 @@ def test_an_exchange_is_read_into_one_table_and_a_large_job_keeps_a_bounded_hist
     values the payloads hold (seconds as float32); the history of samples kept for the plot is bounded in values,
     not only in steps, so 16,384 ranks do not keep 20,000 x 65,536 floats."""
     from lightning_resilience.straggler.exchange import table_of
-    from lightning_resilience.straggler.scores import nanmedian_columns
+    from lightning_resilience.straggler.scores import nanmedian
 
     payloads = [
         {
@@ -291,7 +291,7 @@ def test_an_exchange_is_read_into_one_table_and_a_large_job_keeps_a_bounded_hist
     large = StragglerDetector(config, rank=0, world_size=16_384, gather=lambda p: [p])
     assert small.history.maxlen == 20_000 and large.history.maxlen == 64
     values = np.array([[1.0, np.nan, 3.0], [np.nan, np.nan, 5.0], [2.0, np.nan, 4.0], [4.0, np.nan, np.nan]])
-    assert np.array_equal(nanmedian_columns(values), [2.0, np.nan, 4.0], equal_nan=True)
+    assert np.array_equal(nanmedian(values, 0), [2.0, np.nan, 4.0], equal_nan=True)
 
 
 def test_the_payloads_texts_are_read_once_per_run_and_a_malformed_one_is_still_named() -> None:
