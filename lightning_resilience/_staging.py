@@ -9,7 +9,7 @@ On the CPU the copy is immediate and every value is ready at once.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,8 @@ __all__ = ["HostStage", "to_host"]
 @dataclass
 class _Staged:
     key: Hashable
+    gathered: torch.Tensor
+    """Where the values were stacked on their device (reused once read, as :attr:`host`)."""
     host: torch.Tensor
     event: torch.cuda.Event | None
 
@@ -37,25 +39,37 @@ class HostStage:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.max_pending = max_pending
         self._pending: deque[_Staged] = deque()
+        self._free: dict[tuple[torch.device, torch.dtype, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.forced_reads = 0
         """Readings that had to be waited for because ``max_pending`` were in flight."""
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def put(self, key: Hashable, values: torch.Tensor) -> None:
-        """Queue a copy of ``values`` (a 1-D tensor on any device) to the host; nothing waits."""
-        values = values.detach().reshape(-1)
-        if values.is_cuda:
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            host.copy_(values, non_blocking=True)
+    def put(self, key: Hashable, values: Sequence[torch.Tensor], dtype: torch.dtype = torch.float64) -> None:
+        """Queue a copy of ``values`` (0-d tensors on one device), as ``dtype``, to the host; nothing waits. Two
+        operations a reading, paid on the training thread: the values are stacked into a buffer on their device, which
+        is copied into a host buffer (pinned on a GPU); both are reused once the reading is taken."""
+        device = values[0].device
+        free = self._free.setdefault((device, dtype, len(values)), [])
+        if free:
+            gathered, host = free.pop()
+        else:
+            gathered = torch.empty(len(values), dtype=dtype, device=device)
+            host = torch.empty(len(values), dtype=dtype, pin_memory=device.type == "cuda")
+        with torch.no_grad():
+            torch.stack(list(values), out=gathered)
+        host.copy_(gathered, non_blocking=True)  # from a host buffer: done when it returns
+        event = None
+        if device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        else:
-            host = torch.empty(values.shape, dtype=values.dtype)
-            host.copy_(values, non_blocking=True)  # a host copy: done when it returns
-            event = None
-        self._pending.append(_Staged(key, host, event))
+        self._pending.append(_Staged(key, gathered, host, event))
+
+    def _taken(self, staged: _Staged) -> list[float]:
+        values = staged.host.tolist()
+        self._free[(staged.gathered.device, staged.gathered.dtype, len(values))].append((staged.gathered, staged.host))
+        return values
 
     def ready(self) -> list[tuple[Hashable, list[float]]]:
         """The readings whose copy has landed, oldest first, removed from the queue (never waits, except for the
@@ -69,7 +83,7 @@ class HostStage:
                 head.event.synchronize()
                 self.forced_reads += 1
             self._pending.popleft()
-            out.append((head.key, head.host.tolist()))
+            out.append((head.key, self._taken(head)))
         return out
 
     def drain(self) -> list[tuple[Hashable, list[float]]]:
@@ -77,7 +91,7 @@ class HostStage:
         for staged in self._pending:
             if staged.event is not None:
                 staged.event.synchronize()
-        out = [(s.key, s.host.tolist()) for s in self._pending]
+        out = [(s.key, self._taken(s)) for s in self._pending]
         self._pending.clear()
         return out
 

@@ -70,7 +70,7 @@ class ContentPrint:
         # on a GPU a non-blocking copy into pinned memory: read late, by the persist worker, never by the step
         self._stage = HostStage(max_pending=len(by_device) + 1)
         for index in by_device.values():
-            self._stage.put(tuple(index), torch.stack([_int_sum(values[i]) for i in index]))
+            self._stage.put(tuple(index), [_int_sum(values[i]) for i in index], dtype=torch.int64)
         self._value: dict[str, int] | None = None
 
     def value(self) -> dict[str, int]:

@@ -12,7 +12,10 @@ A tolerance digest (for kernels that are not bitwise reproducible) keeps the flo
 magnitude instead; two digests match when they are close within ``rtol``/``atol``.
 
 A digest is computed where the tensor lives and stays there: :func:`digest_all` stacks many and reads them to the host
-with one copy, so a check costs one host read however many tensors it covers.
+with one copy, so a check costs one host read however many tensors it covers. The bitwise digests of many small
+tensors are computed together (:meth:`BitwiseDigest.compute_many`): laid end to end, each padded with zeros to whole
+rows (which moves none of its sums), a few passes over the lot give every tensor's three sums, the same bits as one
+tensor at a time, in a number of operations that does not grow with the number of tensors.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from lightning_resilience._staging import to_host
 
 __all__ = ["BitwiseDigest", "Digest", "ToleranceDigest", "make_digest"]
 
+BATCH_ELEMENTS = 1 << 22
+"""Tensors below this many elements are digested together, in batches of at most this many (an int64 copy of a batch:
+32 MiB); a larger one is digested alone, without a copy."""
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -40,6 +46,10 @@ class Digest(Protocol):
     def compute(self, tensor: torch.Tensor | None) -> torch.Tensor:
         """The digest of one tensor, shape ``[width]`` on the tensor's device (nothing is read to the host);
         ``None`` (no gradient) digests as zeros on the host."""
+        ...
+
+    def compute_many(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """The digests of ``tensors``, stacked on the host: ``[len(tensors), width]`` (one read per device)."""
         ...
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
@@ -90,6 +100,62 @@ class BitwiseDigest:
             by_col = by_col + (tail * torch.arange(1, n - full + 1, device=dev)).sum()
         return torch.stack([total, by_row, by_col])
 
+    def compute_many(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """Small tensors of one device and element width in batches of at most :data:`BATCH_ELEMENTS` elements (one
+        copy of the batch, a few passes); a larger tensor alone (:meth:`compute` copies nothing)."""
+        out = torch.zeros(len(tensors), self.width, dtype=torch.int64)
+        batches: dict[tuple[torch.device, int], tuple[list[int], list[torch.Tensor], int]] = {}
+        rows: list[torch.Tensor] = []
+        alone: list[int] = []
+        for i, tensor in enumerate(tensors):
+            if tensor is None or tensor.numel() == 0:
+                continue
+            if tensor.numel() >= BATCH_ELEMENTS:
+                alone.append(i)
+                rows.append(self.compute(tensor))
+                continue
+            ints = _int_view(tensor)
+            key = (ints.device, ints.element_size())
+            index, parts, size = batches.get(key, ([], [], 0))
+            if size + ints.numel() > BATCH_ELEMENTS:
+                self._batch(index, parts, out)
+                index, parts, size = [], [], 0
+            index.append(i)
+            parts.append(ints)
+            batches[key] = (index, parts, size + ints.numel())
+        for index, parts, _ in batches.values():
+            self._batch(index, parts, out)
+        if rows:
+            out[alone] = to_host(rows)
+        return out
+
+    def _batch(self, index: list[int], parts: list[torch.Tensor], out: torch.Tensor) -> None:
+        """The digests of ``parts`` (flat integer views of one device and width) into ``out[index]``."""
+        if not parts:
+            return
+        row, dev = self.row, parts[0].device
+        counts = [-(-p.numel() // row) for p in parts]  # whole rows per tensor, the last one padded with zeros
+        padded: list[torch.Tensor] = []
+        for p, n in zip(parts, counts):
+            padded.append(p)
+            if n * row > p.numel():
+                padded.append(p.new_zeros(n * row - p.numel()))
+        grid = torch.cat(padded).view(-1, row).to(torch.int64)
+        sums = grid.sum(dim=1)  # each row's sum
+        by_col = grid.mul_(torch.arange(1, row + 1, device=dev)).sum(dim=1)  # each row's column-weighted sum
+        ends = torch.tensor(counts, device=dev).cumsum(0)
+        starts = ends - torch.tensor(counts, device=dev)
+        number = torch.arange(1, len(sums) + 1, device=dev)  # row numbers in the batch, from 1
+
+        def per_tensor(values: torch.Tensor) -> torch.Tensor:  # the sum of each tensor's rows (wrapping)
+            running = torch.cat([values.new_zeros(1), values.cumsum(0)])
+            return running[ends] - running[starts]
+
+        total = per_tensor(sums)
+        # rows weighted by their number within the tensor: (number in the batch) - (the tensor's first row's) + 1
+        by_row = per_tensor(sums * number) - starts * total
+        out[index] = torch.stack([total, by_row, per_tensor(by_col)], dim=1).cpu()
+
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.sum(dim=0)  # only for a summary: position weights are per tensor
 
@@ -113,6 +179,9 @@ class ToleranceDigest:
         x = tensor.detach().reshape(-1).to(torch.float64)
         return torch.stack([x.sum(), x.square().sum(), x.abs().max()])
 
+    def compute_many(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        return to_host([self.compute(t) for t in tensors])
+
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.stack([rows[:, 0].sum(), rows[:, 1].sum(), rows[:, 2].max()])
 
@@ -135,7 +204,7 @@ def digest_all(digest: Digest, tensors: Sequence[torch.Tensor | None]) -> torch.
     """Digests of several tensors, stacked on the host: ``[len(tensors), digest.width]`` (one device read)."""
     if not tensors:
         return torch.zeros(0, digest.width)
-    return to_host([digest.compute(t) for t in tensors])
+    return digest.compute_many(tensors)
 
 
 def group_rows(digest: Digest, rows: torch.Tensor, groups: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -11,6 +11,7 @@ step path never waits for the device; with no lag they are read (one host read) 
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Iterable
@@ -37,6 +38,7 @@ class RobustBaseline:
 
     def __init__(self, window: int, min_history: int, rel_floor: float = 1e-3) -> None:
         self._values: deque[float] = deque(maxlen=window)
+        self._sorted: list[float] = []  # the same values in order: the median is read, not sorted for
         self.min_history = min_history
         self.rel_floor = rel_floor
 
@@ -45,16 +47,21 @@ class RobustBaseline:
 
     def add(self, value: float) -> None:
         if math.isfinite(value):
+            if len(self._values) == self._values.maxlen:
+                del self._sorted[bisect.bisect_left(self._sorted, self._values[0])]
             self._values.append(value)
+            bisect.insort(self._sorted, value)
 
     def median_abs(self) -> float:
-        return _median([abs(v) for v in self._values]) if self._values else 0.0
+        return _median([abs(v) for v in self._sorted]) if self._sorted else 0.0
 
     def zscore(self, value: float, floor: float = 0.0) -> float | None:
         if len(self._values) < self.min_history:
             return None
-        med = _median(list(self._values))
-        mad = _median([abs(v - med) for v in self._values])
+        ordered = self._sorted
+        n = len(ordered)
+        med = ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+        mad = _median([abs(v - med) for v in ordered])  # two runs in order: the sort merges them
         scale = max(_MAD_TO_SIGMA * mad, self.rel_floor * abs(med), floor, 1e-12)
         return abs(value - med) / scale
 
@@ -81,21 +88,29 @@ class GuardReport:
     ``quiet_steps`` steps before (a training instability that spikes many steps in a row)."""
 
 
+def _total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm(tensors, 2.0)``, in three operations where the tensors share a device (with a
+    fused per-tensor norm) and a dtype: the same ops, without a call per tensor to gather the norms."""
+    first = tensors[0]
+    if first.device.type in ("cpu", "cuda") and all(
+        t.device == first.device and t.dtype == first.dtype for t in tensors
+    ):
+        with torch.no_grad():
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2.0)), 2.0)
+    return torch.nn.utils.get_total_norm(tensors, norm_type=2.0)
+
+
 def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor | None:
     """L2 norm of all gradients (NaN or Inf if any element is) as a 0-d tensor where they live: one fused pass,
     nothing read to the host. None when no parameter has a gradient."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return None
-    return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    return _total_norm(grads) if grads else None
 
 
 def param_norm(params: Iterable[torch.Tensor]) -> torch.Tensor | None:
     """L2 norm of all parameters as a 0-d tensor where they live (nothing read to the host); None without any."""
-    tensors = [p.detach() for p in params]
-    if not tensors:
-        return None
-    return torch.nn.utils.get_total_norm(tensors, norm_type=2.0)
+    tensors = list(params)
+    return _total_norm(tensors) if tensors else None
 
 
 class Guards:
@@ -208,9 +223,10 @@ class GuardReader:
         names = tuple(n for n, v in ((_LOSS, loss), (_GRAD, grad), (_PARAM, param)) if v is not None)
         if not names:
             return None
-        values = torch.stack([v.detach().reshape(()).to(torch.float64) for v in (loss, grad, param) if v is not None])
+        values = [v if v.dim() == 0 else v.reshape(()) for v in (loss, grad, param) if v is not None]
         if self.lag == 0:
-            return self._check(step, names, values.tolist())
+            with torch.no_grad():
+                return self._check(step, names, torch.stack(values).to(torch.float64).tolist())
         self._stage.put((step, names, replayed), values)
         return None
 

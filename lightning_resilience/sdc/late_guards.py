@@ -82,6 +82,9 @@ class LateGuards:
         reports: list[GuardReport] = []
         quiet: list[GuardReport] = []  # spikes a replay found genuine a moment ago: a verdict, no new replay
         for report in self.reader.arrived():
+            if not report.fired:  # the common case: nothing to say, the values join the baselines
+                self.guards.accept(report)
+                continue
             count_fired(self.counts, report)
             step_guards = [f for f in report.fired if f not in PARAM_GUARDS and f not in report.quiet]
             if report.replayed:  # the replay matched: a spike is genuine, but a non-finite update is applied
@@ -97,6 +100,8 @@ class LateGuards:
             if not step_guards:  # a parameter-norm jump is settled by the reconciliation it forces, not here
                 self.guards.accept(report)
         self._reports[step] = reports
+        if not reports and not quiet:
+            return [0, int(jumped), 0, _NONE, _NONE, 0]
         nonfinite_at = [r.step for r in reports if any(f.startswith("nonfinite") for f in r.fired)]
         spike_at = [r.step for r in reports + quiet if any(f.endswith("_spike") for f in r.fired)]
         first_nonfinite, first_spike = min(nonfinite_at, default=_NONE), min(spike_at, default=_NONE)

@@ -172,12 +172,11 @@ class SDCMonitor:
 
     # --------------------------------------------------------------- per step
     def begin_step(self, step: int, batch: Any) -> None:
-        """A step starts: ``step`` optimizer steps are done; keep a reference to the batch and the RNG state.
+        """A step starts (``step`` optimizer steps done): keep the batch, and the RNG state if the step may be replayed.
 
         With a guard read lag, a guard that fired on any rank (agreed in the previous step's agreement, see
         :meth:`agreed`) makes this step's gradients replayed: no rank waits for another here."""
         self._step, self._batch, self._loss = step, batch, None
-        self._rng = capture_rng()
         self._step_checked, self._step_ok = False, True
         self._unagreed = []
         if not self.driven and self.step_fields():
@@ -187,11 +186,12 @@ class SDCMonitor:
         self._guard_triggered, self._late_triggered = self._late_triggered and not self.dirty, False
         self._job_guard, self._late_job_guard = self._late_job_guard, False
         self._restore_check, self._restore_pending = self._restore_pending and not self.dirty, False
+        replay = self._guard_triggered or self._restore_check or self._due(self.config.replay_every_n_steps)
+        replay = replay or (self.config.guards and self.reader.lag == 0)  # with no lag, a guard may ask at once
+        self._rng = capture_rng() if replay else None  # nothing drawn since the step began: the forward comes next
         if self._hook is not None:
             self._hook.reset()
-            # digest buckets only when this step's gradients will be compared (with no lag a guard may ask at once)
-            replay = self._guard_triggered or self._restore_check or self._due(self.config.replay_every_n_steps)
-            self._hook.enabled = replay or (self.config.guards and self.reader.lag == 0)
+            self._hook.enabled = replay  # digest buckets only when this step's gradients may be compared
 
     # ------------------------------------------------------------------ the step's agreement
     def step_fields(self) -> list[Field]:

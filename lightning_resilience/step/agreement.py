@@ -166,28 +166,31 @@ class Pending:
     def __init__(self, owner: TreeAgreement, op: str, step: int | None) -> None:
         self.op, self.step = op, step
         self._owner = owner
-        self._done = threading.Event()
+        self._waiting = threading.Lock()  # held until the result arrives (a lock costs less than an Event a step)
+        self._waiting.acquire()
         self._value: Any = None
         self._error: BaseException | None = None
         self.issued = time.perf_counter()
 
     def _set(self, value: Any = None, error: BaseException | None = None) -> None:
         self._value, self._error = value, error
-        self._done.set()
+        self._waiting.release()
 
     def done(self) -> bool:
         """Whether the result has arrived (taking it will not wait)."""
-        return self._done.is_set()
+        return not self._waiting.locked()
 
     def result(self, timeout: timedelta | None = None) -> Any:
         """The agreed vector (a gather: a :class:`Gathered`, empty but on rank 0).
 
         Waits at most ``timeout`` (default: the group's); raises what the round raised, or
         :class:`CollectiveTimeoutError` when it has not finished in time (the agreement is broken from then on)."""
-        if not self._done.is_set():
+        if self._waiting.locked():
             start = time.perf_counter()
             limit = timeout or self._owner.timeout
-            arrived = self._done.wait(limit.total_seconds())
+            arrived = self._waiting.acquire(timeout=limit.total_seconds())
+            if arrived:
+                self._waiting.release()  # taken again later: it answers at once
             stats = self._owner.stats
             stats.waits += 1
             stats.waited_seconds += time.perf_counter() - start

@@ -81,7 +81,7 @@ def test_counter_sees_our_reads_and_not_the_users() -> None:
         float(loss)  # the user's own read
         assert float(torch.tensor(3.0)) == 3.0  # a host tensor
         stage = HostStage()
-        stage.put("loss", loss.detach().reshape(1))
+        stage.put("loss", [loss.detach()])
         assert [k for k, _ in stage.ready()] == ["loss"]
         counter.begin_step(1, list(model.parameters()))
         to_host([loss.detach().reshape(1), model.weight.sum().reshape(1)])  # ours: one read for both

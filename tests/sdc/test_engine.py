@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -35,6 +37,56 @@ def test_digests_are_additive_over_buckets() -> None:
         rows = digest_all(d, tensors)
         flat = d.compute(torch.cat([t.reshape(-1) for t in tensors]))
         assert d.equal(group_rows(d, rows, [[0, 1, 2]])[0], flat) or isinstance(d, BitwiseDigest)
+
+
+@pytest.mark.parametrize("batch_elements", [1 << 22, 1000])
+def test_digests_of_many_tensors_together_are_each_tensors_own(
+    batch_elements: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small tensors are digested together, padded to whole rows; every digest is the bits of the tensor's own, for
+    every dtype and width, partial and whole rows, 0-d, empty, missing, strided and wrapping tensors, in batches
+    that fill up (1,000 elements) and with tensors too large for one (digested alone)."""
+    import lightning_resilience.sdc.fingerprint as fingerprint
+
+    monkeypatch.setattr(fingerprint, "BATCH_ELEMENTS", batch_elements)
+    g = torch.Generator().manual_seed(0)
+    tensors: list[torch.Tensor | None] = [None, torch.tensor(3.5), torch.randn(40, 30, generator=g).t()]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.uint8):
+        for n in (0, 1, 255, 256, 257, 1000, 5000):
+            tensors.append((torch.randn(n, generator=g) * 1e6).to(dtype))
+    tensors += [torch.randn(300, generator=g) > 0, torch.complex(torch.randn(300), torch.randn(300))]
+    tensors.append(torch.randint(-(2**62), 2**62, (3000,), generator=g))  # the sums wrap around
+    order = torch.randperm(len(tensors), generator=g).tolist()
+    tensors = [tensors[i] for i in order]
+    d = BitwiseDigest()
+    expected = torch.stack([d.compute(t) for t in tensors])
+    assert torch.equal(d.compute_many(tensors), expected)
+    assert torch.equal(digest_all(d, tensors), expected)
+
+
+def test_robust_baseline_keeps_the_median_and_mad_of_its_window() -> None:
+    """The window is kept in order as values come and go: every z-score is the one of the window's median and MAD
+    taken afresh (repeated values, non-finite values refused, the window full and evicting)."""
+    from lightning_resilience.sdc.guards import RobustBaseline
+
+    def naive(window: list[float], value: float) -> float:
+        ordered = sorted(window)
+        n = len(ordered)
+        med = ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+        dev = sorted(abs(v - med) for v in window)
+        mad = dev[n // 2] if n % 2 else 0.5 * (dev[n // 2 - 1] + dev[n // 2])
+        return abs(value - med) / max(1.4826 * mad, 1e-3 * abs(med), 1e-12)
+
+    g = torch.Generator().manual_seed(1)
+    values = (torch.randn(400, generator=g) * 3).round(decimals=1).tolist() + [float("nan"), float("inf")] * 3
+    baseline, window = RobustBaseline(window=16, min_history=4), []
+    for i, v in enumerate(values[:400] + values[400:] + values[:50]):
+        finite = math.isfinite(v)
+        if len(window) >= 4 and finite:
+            assert baseline.zscore(v) == naive(window, v), i
+        baseline.add(v)
+        window = [*window, v][-16:] if finite else window
+    assert len(baseline) == 16
 
 
 def test_tolerance_digest_ignores_rounding_noise_only() -> None:
@@ -177,26 +229,55 @@ def test_same_bit_in_two_elements_gives_two_digests() -> None:
     assert not d.equal(d.compute(a), d.compute(b))
 
 
-def test_guard_read_late_replays_the_next_step_and_keeps_the_update() -> None:
-    # a genuine spike (the loss scaled at one step): its values reach the host one step later, that step is
-    # replayed, the replay reproduces it, and training goes on (finite: no rollback)
-    model, opt = make_model()
-    monitor = SDCMonitor(list(model.named_parameters()), [opt], SDCConfig(replay_every_n_steps=0, guard_min_history=4))
+def _single_process_steps(
+    monitor: SDCMonitor, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, spike_at: int = -1
+) -> None:
+    """``steps`` steps of one process under ``monitor`` (set up and attached here); the loss scaled by 1e4 at
+    ``spike_at`` (a genuine spike); no step asks for a rollback."""
     monitor.setup()
     monitor.attach(model.compute_loss)
-    for step, batch in enumerate(batches(0, 14)):
+    for step, batch in enumerate(batches(0, steps)):
         monitor.begin_step(step, batch)
-        loss = model.compute_loss(batch) * (1e4 if step == 9 else 1.0)
+        loss = model.compute_loss(batch) * (1e4 if step == spike_at else 1.0)
         monitor.observe_loss(loss)
         loss.backward()
         assert not monitor.before_optimizer_step().needs_rollback
         opt.step()
         opt.zero_grad(set_to_none=True)
         monitor.after_optimizer_step()
+
+
+def test_guard_read_late_replays_the_next_step_and_keeps_the_update() -> None:
+    # a genuine spike (the loss scaled at one step): its values reach the host one step later, that step is
+    # replayed, the replay reproduces it, and training goes on (finite: no rollback)
+    model, opt = make_model()
+    monitor = SDCMonitor(list(model.named_parameters()), [opt], SDCConfig(replay_every_n_steps=0, guard_min_history=4))
+    _single_process_steps(monitor, model, opt, 14, spike_at=9)
     assert monitor.stats.replay_rounds == 1 and not monitor.dirty
     [event] = monitor.events
     assert (event.step, event.verdict, event.action) == (11, Diagnosis.ANOMALY, "none")
     assert "loss_spike@10" in event.mechanism
+
+
+@pytest.mark.parametrize("lag", [1, 0])
+def test_the_rng_state_is_kept_only_for_steps_that_may_be_replayed(lag: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ordinary step keeps no RNG state (a copy of the generator a step, paid on the training thread): a step with a
+    scheduled round does, and with no read lag every step does (its own guards may ask for its replay at once)."""
+    import lightning_resilience.sdc.monitor as monitor_module
+
+    kept: list[int] = []
+    capture = monitor_module.capture_rng
+    model, opt = make_model()
+    monitor = SDCMonitor(list(model.named_parameters()), [opt], SDCConfig(replay_every_n_steps=5, guard_read_lag=lag))
+
+    def counted() -> dict[str, torch.Tensor]:
+        kept.append(monitor._step)
+        return capture()
+
+    monkeypatch.setattr(monitor_module, "capture_rng", counted)
+    _single_process_steps(monitor, model, opt, 12)
+    assert monitor.stats.replay_rounds == 2 and monitor.events == []
+    assert kept == ([4, 9] if lag else list(range(12)))
 
 
 @pytest.mark.parametrize("exact", [True, False])
