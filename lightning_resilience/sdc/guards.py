@@ -88,12 +88,16 @@ class GuardReport:
     ``quiet_steps`` steps before (a training instability that spikes many steps in a row)."""
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.nn.utils.get_total_norm(tensors, 2.0)``, in three operations where the tensors share a device (with a
-    fused per-tensor norm) and a dtype: the same ops, without a call per tensor to gather the norms."""
+    """``torch.nn.utils.get_total_norm(tensors, 2.0)``, in three operations where the tensors are plain (not a tensor
+    subclass such as a DTensor shard) and share a device with a fused per-tensor norm and a dtype: the same ops, without
+    a call per tensor to gather the norms."""
     first = tensors[0]
     if first.device.type in ("cpu", "cuda") and all(
-        t.device == first.device and t.dtype == first.dtype for t in tensors
+        type(t) in _PLAIN and t.device == first.device and t.dtype == first.dtype for t in tensors
     ):
         with torch.no_grad():
             return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2.0)), 2.0)

@@ -64,6 +64,22 @@ def test_digests_of_many_tensors_together_are_each_tensors_own(
     assert torch.equal(digest_all(d, tensors), expected)
 
 
+def test_norms_are_the_bits_of_get_total_norm() -> None:
+    """The guards' norms in three operations are ``torch.nn.utils.get_total_norm``'s bits: one dtype, and mixed dtypes
+    (its own path); parameters are not detached one by one (nothing is recorded either way)."""
+    from lightning_resilience.sdc.guards import grad_norm, param_norm
+
+    model, _ = make_model()
+    params = list(model.parameters())
+    model.compute_loss(batches(0, 1)[0]).backward()
+    grads = [p.grad for p in params if p.grad is not None]
+    assert torch.equal(grad_norm(params), torch.nn.utils.get_total_norm(grads, 2.0))
+    assert torch.equal(param_norm(params), torch.nn.utils.get_total_norm([p.detach() for p in params], 2.0))
+    assert not param_norm(params).requires_grad
+    mixed = [torch.randn(10), torch.randn(7, dtype=torch.float64), torch.randn(3, dtype=torch.bfloat16)]
+    assert torch.equal(param_norm(mixed), torch.nn.utils.get_total_norm(mixed, 2.0))
+
+
 def test_robust_baseline_keeps_the_median_and_mad_of_its_window() -> None:
     """The window is kept in order as values come and go: every z-score is the one of the window's median and MAD
     taken afresh (repeated values, non-finite values refused, the window full and evicting)."""
