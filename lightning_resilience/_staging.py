@@ -24,6 +24,8 @@ class _Staged:
     """Where the values were stacked on their device (reused once read, as :attr:`host`)."""
     host: torch.Tensor
     event: torch.cuda.Event | None
+    pool: list[tuple[torch.Tensor, torch.Tensor]]
+    """Where the two buffers go back once the reading is taken."""
 
 
 class HostStage:
@@ -51,9 +53,9 @@ class HostStage:
         operations a reading, paid on the training thread: the values are stacked into a buffer on their device, which
         is copied into a host buffer (pinned on a GPU); both are reused once the reading is taken."""
         device = values[0].device
-        free = self._free.setdefault((device, dtype, len(values)), [])
-        if free:
-            gathered, host = free.pop()
+        pool = self._free.setdefault((device, dtype, len(values)), [])
+        if pool:
+            gathered, host = pool.pop()
         else:
             gathered = torch.empty(len(values), dtype=dtype, device=device)
             host = torch.empty(len(values), dtype=dtype, pin_memory=device.type == "cuda")
@@ -64,12 +66,11 @@ class HostStage:
         if device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        self._pending.append(_Staged(key, gathered, host, event))
+        self._pending.append(_Staged(key, gathered, host, event, pool))
 
     def _taken(self, staged: _Staged) -> list[float]:
-        values = staged.host.tolist()
-        self._free[(staged.gathered.device, staged.gathered.dtype, len(values))].append((staged.gathered, staged.host))
-        return values
+        staged.pool.append((staged.gathered, staged.host))
+        return staged.host.tolist()
 
     def ready(self) -> list[tuple[Hashable, list[float]]]:
         """The readings whose copy has landed, oldest first, removed from the queue (never waits, except for the

@@ -131,8 +131,6 @@ class BitwiseDigest:
 
     def _batch(self, index: list[int], parts: list[torch.Tensor], out: torch.Tensor) -> None:
         """The digests of ``parts`` (flat integer views of one device and width) into ``out[index]``."""
-        if not parts:
-            return
         row, dev = self.row, parts[0].device
         counts = [-(-p.numel() // row) for p in parts]  # whole rows per tensor, the last one padded with zeros
         padded: list[torch.Tensor] = []
@@ -143,8 +141,9 @@ class BitwiseDigest:
         grid = torch.cat(padded).view(-1, row).to(torch.int64)
         sums = grid.sum(dim=1)  # each row's sum
         by_col = grid.mul_(torch.arange(1, row + 1, device=dev)).sum(dim=1)  # each row's column-weighted sum
-        ends = torch.tensor(counts, device=dev).cumsum(0)
-        starts = ends - torch.tensor(counts, device=dev)
+        lengths = torch.tensor(counts, device=dev)
+        ends = lengths.cumsum(0)
+        starts = ends - lengths
         number = torch.arange(1, len(sums) + 1, device=dev)  # row numbers in the batch, from 1
 
         def per_tensor(values: torch.Tensor) -> torch.Tensor:  # the sum of each tensor's rows (wrapping)

@@ -58,18 +58,21 @@ class RobustBaseline:
     def zscore(self, value: float, floor: float = 0.0) -> float | None:
         if len(self._values) < self.min_history:
             return None
-        ordered = self._sorted
-        n = len(ordered)
-        med = ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
-        mad = _median([abs(v - med) for v in ordered])  # two runs in order: the sort merges them
+        med = _middle(self._sorted)
+        mad = _median([abs(v - med) for v in self._sorted])  # two runs in order: the sort merges them
         scale = max(_MAD_TO_SIGMA * mad, self.rel_floor * abs(med), floor, 1e-12)
         return abs(value - med) / scale
 
 
 def _median(values: list[float]) -> float:
     values.sort()
-    n = len(values)
-    return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
+    return _middle(values)
+
+
+def _middle(ordered: list[float]) -> float:
+    """The median of values already in order."""
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
 
 
 @dataclass

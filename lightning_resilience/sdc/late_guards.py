@@ -26,6 +26,14 @@ RANK_GUARDS = ("loss_spike", "nonfinite_loss")
 """Guards on what one rank computed alone (its batch's loss): when only these fire, the ranks that saw them are the
 ones whose batches a replay checks. The others (the gradient norm, taken after the all-reduce) speak for the job."""
 _NONE = 2**62  # no step (the identity of MIN)
+_FIELDS = (
+    Field("sdc.guard_fired", Op.OR),
+    Field("sdc.param_jump", Op.OR),
+    Field("sdc.nonfinite", Op.OR),
+    Field("sdc.first_nonfinite_step", Op.MIN),
+    Field("sdc.first_spike_step", Op.MIN),
+    Field("sdc.job_guard_fired", Op.OR),
+)
 
 
 def count_fired(counts: dict[str, int], report: GuardReport) -> None:
@@ -67,14 +75,7 @@ class LateGuards:
         self._reports: dict[int, list[GuardReport]] = {}
 
     def fields(self) -> list[Field]:
-        return [
-            Field("sdc.guard_fired", Op.OR),
-            Field("sdc.param_jump", Op.OR),
-            Field("sdc.nonfinite", Op.OR),
-            Field("sdc.first_nonfinite_step", Op.MIN),
-            Field("sdc.first_spike_step", Op.MIN),
-            Field("sdc.job_guard_fired", Op.OR),
-        ]
+        return list(_FIELDS)
 
     def read(self, step: int) -> list[int]:
         """Check the guard values that reached the host (no device read, no wait); this rank's six values."""
@@ -100,8 +101,6 @@ class LateGuards:
             if not step_guards:  # a parameter-norm jump is settled by the reconciliation it forces, not here
                 self.guards.accept(report)
         self._reports[step] = reports
-        if not reports and not quiet:
-            return [0, int(jumped), 0, _NONE, _NONE, 0]
         nonfinite_at = [r.step for r in reports if any(f.startswith("nonfinite") for f in r.fired)]
         spike_at = [r.step for r in reports + quiet if any(f.endswith("_spike") for f in r.fired)]
         first_nonfinite, first_spike = min(nonfinite_at, default=_NONE), min(spike_at, default=_NONE)

@@ -201,7 +201,7 @@ class SDCMonitor:
     def contribute(self, step: int) -> list[int]:
         """The guard values of earlier steps that reached the host, checked here (no device read, no wait)."""
         self.driven = True
-        return self.late.read(step) if self.config.guards and self.reader.lag > 0 else []
+        return self.late.read(step) if self.step_fields() else []
 
     def agreed(self, step: int, values: Sequence[int]) -> list[Verdict]:
         """What every rank's late guards said (the same on every rank): the next step is replayed when a guard fired

@@ -287,7 +287,7 @@ def test_the_rng_state_is_kept_only_for_steps_that_may_be_replayed(lag: int, mon
     monitor = SDCMonitor(list(model.named_parameters()), [opt], SDCConfig(replay_every_n_steps=5, guard_read_lag=lag))
 
     def counted() -> dict[str, torch.Tensor]:
-        kept.append(monitor._step)
+        kept.append(monitor.stats.steps)  # steps done: the step that begins
         return capture()
 
     monkeypatch.setattr(monitor_module, "capture_rng", counted)
