@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
+from lightning_resilience._lifetime import end_daemon_children_at_exit
 from lightning_resilience.policy import Event, Verdict
 from lightning_resilience.step.agreement import Op
 from lightning_resilience.step.driver import Field
@@ -58,10 +59,16 @@ class PreemptionNotice:
         return self._received.is_set()
 
     def install(self) -> None:
-        """Take over the notice signals (main thread only); :meth:`uninstall` gives them back."""
+        """Take over the notice signals (main thread only); :meth:`uninstall` gives them back.
+
+        A child forked meanwhile (a loader worker) inherits the handler until it sets its own; one stuck before it
+        could (a fork beside a thread holding an interpreter lock) would outlive SIGTERM and hold the exit of this
+        process: its daemonic children are ended at exit, killed if SIGTERM does not do it
+        (:func:`~lightning_resilience._lifetime.end_daemon_children_at_exit`)."""
         if threading.current_thread() is not threading.main_thread():
             log.warning("preemption signals not installed: not on the main thread")
             return
+        end_daemon_children_at_exit()
         for sig in self.signals:
             if sig not in self._previous:
                 self._previous[sig] = signal.signal(sig, self._handle)

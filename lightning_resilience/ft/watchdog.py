@@ -22,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from lightning_resilience._lifetime import end_daemon_children
 from lightning_resilience.exit_codes import ExitCode
 from lightning_resilience.ft.restart import FaultNote, write_fault_note
 from lightning_resilience.rundir import RunDir
@@ -29,6 +30,9 @@ from lightning_resilience.rundir import RunDir
 __all__ = ["Hang", "HangHandler", "TimeoutCalibrator", "Watchdog", "dump_stacks"]
 
 log = logging.getLogger(__name__)
+
+_CHILDREN_GRACE_S = 1.0
+"""How long a hung rank's daemonic children get to end on SIGTERM before they are killed with it."""
 
 OUT_OF_SECTION = "out_of_section"
 
@@ -330,10 +334,14 @@ class HangHandler:
         finally:
             if self.exit:
                 # the training thread is stuck (a Python loop or a collective): nothing else can end this process,
-                # and a failure to record the hang must not keep it alive
-                for handler in logging.getLogger().handlers:
-                    handler.flush()
-                os._exit(int(ExitCode.HANG))
+                # and a failure to record the hang must not keep it alive; nor may its daemonic children (a loader
+                # worker stuck since its fork would outlive it, and hold the launcher's output open)
+                try:
+                    end_daemon_children(_CHILDREN_GRACE_S)
+                finally:
+                    for handler in logging.getLogger().handlers:
+                        handler.flush()
+                    os._exit(int(ExitCode.HANG))
 
     def _record(self, hang: Hang) -> None:
         stacks = None

@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -135,20 +136,66 @@ def _env() -> dict[str, str]:
     }
 
 
+class LaunchTimeout(subprocess.TimeoutExpired):
+    """A launch past its bound, with where each of its processes stood before they were killed."""
+
+    def __init__(self, cmd: list[str], timeout: float, output: str, stderr: str, stacks: str) -> None:
+        super().__init__(cmd, timeout, output, stderr)
+        self.stacks = stacks
+
+    def evidence(self, frames: int = 6, lines: int = 25) -> str:
+        """The tail of the launch's output and each thread's innermost ``frames`` frames: what a CI log shows."""
+        tail = "\n".join(f"{self.output or ''}\n{self.stderr or ''}".strip().splitlines()[-lines:])
+        return f"stacks at the bound:\n{condense(self.stacks, frames)}\nlast lines of the launch:\n{tail}"
+
+
+def stacks_of(members: list[psutil.Process]) -> str:
+    """``py-spy dump`` of each process (every thread's Python stack), read before a hung launch is killed."""
+    py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if py_spy is None:
+        return "(no stacks: py-spy is not installed)"
+    dumps = []
+    for member in members:
+        try:
+            done = subprocess.run(
+                [py_spy, "dump", "--nonblocking", "--pid", str(member.pid)], capture_output=True, text=True, timeout=30
+            )
+            dumps.append(done.stdout if done.returncode == 0 else f"Process {member.pid}: py-spy failed: {done.stderr}")
+        except (OSError, subprocess.TimeoutExpired) as err:
+            dumps.append(f"Process {member.pid}: py-spy failed: {err}")
+    return "\n".join(dumps)
+
+
+def condense(stacks: str, frames: int) -> str:
+    """Each process line of a ``py-spy dump``, and each of its threads with its innermost ``frames`` frames."""
+    out: list[str] = []
+    kept = frames
+    for line in stacks.splitlines():
+        if line.startswith(("Process ", "Thread ")):
+            out.append(line)
+            kept = 0
+        elif line.startswith(" ") and kept < frames and line.strip():
+            out.append(line)
+            kept += 1
+    return "\n".join(out)
+
+
 def _run_bounded(cmd: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess[str]:
     """``subprocess.run``, except that past ``timeout_s`` the whole launch (launcher, ranks, loader workers) is
     SIGKILLed, not the launcher alone: torchrun puts each rank in a session of its own, and a rank would outlive it.
-    Then ``TimeoutExpired`` is raised."""
+    Then :class:`LaunchTimeout` is raised, with every process's stacks as they stood at the bound."""
     with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             launcher = psutil.Process(proc.pid)
-            for member in [*launcher.children(recursive=True), launcher]:
+            members = [launcher, *launcher.children(recursive=True)]
+            stacks = stacks_of(members)
+            for member in members:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     member.kill()
             stdout, stderr = proc.communicate(timeout=30)
-            raise subprocess.TimeoutExpired(cmd, timeout_s, stdout, stderr) from None
+            raise LaunchTimeout(cmd, timeout_s, stdout, stderr, stacks) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
@@ -168,7 +215,12 @@ def run_drill(drill: Drill, run_dir: Path, max_launches: int = 2, env: dict[str,
         if drill.checkpoint != "local":
             args += ["--checkpoint", drill.checkpoint]
         args += drill.args
-        proc = _run_bounded(launch_command(drill, args), {**_env(), **(env or {})}, drill.timeout_s)
+        try:
+            proc = _run_bounded(launch_command(drill, args), {**_env(), **(env or {})}, drill.timeout_s)
+        except LaunchTimeout as err:
+            log = f"{err.output}\n---- stderr ----\n{err.stderr}\n---- stacks at the bound ----\n{err.stacks}"
+            (run_dir / f"launch{launch}.log").write_text(log)
+            raise
         result.launches.append(proc)
         (run_dir / f"launch{launch}.log").write_text(proc.stdout + "\n---- stderr ----\n" + proc.stderr)
         if proc.returncode == 0 and (run_dir / "weights.pt").exists():

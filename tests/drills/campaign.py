@@ -38,7 +38,7 @@ from typing import Any
 import psutil
 import torch
 
-from tests.drills._harness import ROOT, Drill, DrillResult, first_difference, run_drill
+from tests.drills._harness import ROOT, Drill, DrillResult, LaunchTimeout, first_difference, run_drill
 from tests.drills._s3_outage import S3Outages
 from tests.drills._tmpfs import TmpfsUnavailable, tmpfs
 from tests.drills._user_code import FAULTS, OVERRIDES_ENV, PERSIST_EVERY
@@ -285,8 +285,9 @@ def _run_and_check(
 ) -> Outcome:
     try:
         result = run_drill(drill, run_dir, env=references.env(drill))
-    except subprocess.TimeoutExpired as err:
-        outcome.problems.append(f"the job did not finish: a launch ran past its bound of {err.timeout} s")
+    except LaunchTimeout as err:
+        outcome.problems.append(f"the job did not finish: a launch ran past its bound of {err.timeout} s; "
+                                f"{err.evidence()}")  # fmt: skip
     except Exception as err:  # a launch that failed (AssertionError with the logs)
         outcome.problems.append(f"the job did not finish: {type(err).__name__}: {str(err)[-3000:]}")
     else:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.drills._harness import Drill, DrillResult, _run_bounded
+from tests.drills._harness import Drill, DrillResult, LaunchTimeout, _run_bounded
 from tests.drills.campaign import (
     DOCS,
     FAULTS,
@@ -142,6 +142,9 @@ def test_a_launch_past_its_bound_is_ended_with_the_processes_it_started(tmp_path
         f"subprocess.Popen([sys.executable, '-c', {child!r}, {str(tmp_path)!r}], start_new_session=True); "
         "threading.Event().wait(60)"
     )
-    with pytest.raises(subprocess.TimeoutExpired):
+    with pytest.raises(LaunchTimeout) as ended:
         _run_bounded([sys.executable, "-c", code, str(tmp_path)], dict(os.environ), timeout_s=3)
     assert leftovers(tmp_path, grace_s=5) == []
+    # where each process stood at the bound comes with it: both waits, each under its own process
+    evidence = ended.value.evidence()
+    assert evidence.count("Process ") == 2 and evidence.count("(threading.py:") >= 2, evidence

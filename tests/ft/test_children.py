@@ -1,0 +1,86 @@
+"""A process that ends takes its daemonic children with it, even one that no longer answers SIGTERM: a loader worker
+stuck since its fork keeps the handler of the preemption notice it inherited, and ``multiprocessing`` would join it
+forever at exit."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from lightning_resilience._lifetime import end_daemon_children
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _deaf(ready: threading.Event) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.set()
+    threading.Event().wait(120)
+
+
+def _plain(ready: threading.Event) -> None:
+    ready.set()
+    threading.Event().wait(120)
+
+
+def test_children_that_outlive_sigterm_are_killed_and_the_others_terminated() -> None:
+    ctx = multiprocessing.get_context("fork")
+    ready = [ctx.Event(), ctx.Event()]
+    deaf = ctx.Process(target=_deaf, args=(ready[0],), daemon=True)
+    plain = ctx.Process(target=_plain, args=(ready[1],), daemon=True)
+    kept = ctx.Process(target=_plain, args=(ctx.Event(),), daemon=False)  # not daemonic: not ours to end
+    for p in (deaf, plain, kept):
+        p.start()
+    try:
+        assert all(r.wait(30) for r in ready)
+        start = time.monotonic()
+        assert end_daemon_children(grace_s=1.0) == [deaf.pid]
+        assert time.monotonic() - start < 10
+        assert not deaf.is_alive() and deaf.exitcode == -signal.SIGKILL
+        assert not plain.is_alive() and plain.exitcode == -signal.SIGTERM
+        assert kept.is_alive()
+    finally:
+        kept.kill()
+        kept.join(10)
+
+
+def test_a_process_with_the_preemption_notice_ends_though_a_child_kept_its_handler(tmp_path: Path) -> None:
+    # the child inherits the notice's handler (SIGTERM sets a flag and the child goes on), as a loader worker stuck
+    # in its fork does; at the end of the script multiprocessing terminates it and joins it without a bound
+    script = textwrap.dedent(
+        """
+        import multiprocessing, signal, sys, threading
+        from lightning_resilience.ft.preemption import PreemptionNotice
+
+        def child():
+            threading.Event().wait(120)
+
+        PreemptionNotice([signal.SIGTERM]).install()
+        proc = multiprocessing.get_context("fork").Process(target=child, daemon=True)
+        proc.start()
+        print(proc.pid, flush=True)
+        """
+    )
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - start < 30
+    child = int(done.stdout.split()[0])
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    assert "did not end on SIGTERM" in done.stderr and str(child) in done.stderr
