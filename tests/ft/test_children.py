@@ -84,3 +84,37 @@ def test_a_process_with_the_preemption_notice_ends_though_a_child_kept_its_handl
     child = int(done.stdout.split()[0])
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
     assert "did not end on SIGTERM" in done.stderr and str(child) in done.stderr
+
+
+def test_a_rank_ended_for_a_hang_takes_its_daemonic_children_with_it(tmp_path: Path) -> None:
+    # os._exit runs no exit function: without the hang handler's own ending, the child would outlive the rank
+    script = textwrap.dedent(
+        f"""
+        import multiprocessing, signal, threading
+        from pathlib import Path
+        from lightning_resilience.ft.watchdog import Hang, HangHandler
+
+        def child():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            threading.Event().wait(120)
+
+        proc = multiprocessing.get_context("fork").Process(target=child, daemon=True)
+        proc.start()
+        print(proc.pid, flush=True)
+        HangHandler(Path({str(tmp_path)!r}), rank=0, attempt=0)(Hang("step", 1, 2.0, 1.0, "initial"))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    from lightning_resilience.exit_codes import ExitCode
+
+    assert done.returncode == int(ExitCode.HANG), done.stderr[-2000:]
+    child = int(done.stdout.split()[0])
+    gone = psutil.wait_procs([psutil.Process(child)], timeout=10)[1] == [] if psutil.pid_exists(child) else True
+    assert gone, f"child {child} outlived the hung rank"
