@@ -21,6 +21,12 @@ from lightning_resilience._lifetime import end_daemon_children
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _run(script: str) -> subprocess.CompletedProcess[str]:
+    """``script`` in a Python of its own (bounded: a process held by its child fails the test, it does not hang)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
 def _deaf(ready: threading.Event) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ready.set()
@@ -71,14 +77,7 @@ def test_a_process_with_the_preemption_notice_ends_though_a_child_kept_its_handl
         """
     )
     start = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _run(script)
     assert done.returncode == 0, done.stderr
     assert time.monotonic() - start < 30
     child = int(done.stdout.split()[0])
@@ -104,14 +103,7 @@ def test_a_rank_ended_for_a_hang_takes_its_daemonic_children_with_it(tmp_path: P
         HangHandler(Path({str(tmp_path)!r}), rank=0, attempt=0)(Hang("step", 1, 2.0, 1.0, "initial"))
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _run(script)
     from lightning_resilience.exit_codes import ExitCode
 
     assert done.returncode == int(ExitCode.HANG), done.stderr[-2000:]
