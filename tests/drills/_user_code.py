@@ -40,9 +40,11 @@ step K, in launch ``L`` (``--fault-launch``) on its first torchrun attempt only:
   persists settled, rank R loses its node's disk and is SIGKILLed: the restart must restore the newest step every
   rank has somewhere, rank R's from the store (its shared memory is lost with the node).
 
-Every fault writes ``RUN/faults.jsonl`` (one line per fault: kind, rank, step, wall time, the step it damaged) before
-it fires; every attempt's report gives what the checkpoint directory and the node's shared memory held before the
-engine touched them (``committed``: step -> ranks), the restored step and the wall time of its first step.
+Every fault writes ``RUN/faults.jsonl`` (one line per fault: kind, rank, step, wall time, the step it damaged and
+the copy of it, ``tier``: the disk's for a shard, the RAM tier's for a half-made snapshot) before it fires; every
+attempt's report gives what the checkpoint directory and the node's shared memory held before the engine touched them
+(``committed``: step -> ranks; ``elsewhere``: the same without the checkpoint directory), the restored step and tier
+and the wall time of its first step.
 """
 
 from __future__ import annotations
@@ -174,6 +176,11 @@ def fill(directory: Path) -> int:
     return written
 
 
+DISK, MEMORY = "local", "memory"
+"""The copy a fault damaged (a fault record's ``tier``: the name a restore reports for its tier). The other tiers'
+copies of that step are intact: a restore of the step from one of them is right."""
+
+
 def record_fault(run_dir: Path, **fields: Any) -> None:
     """Append one fault to ``RUN/faults.jsonl`` (synced: the process may die right after)."""
     with open(run_dir / "faults.jsonl", "a") as f:
@@ -258,7 +265,7 @@ class Fault(Callback):
         if self.kind in ("sigkill-restore", "corrupt-shard", "truncate-shard", "node-loss", "s3-outage", "disk-full"):
             self.settle()  # disk-full: the failing persist of P has failed on this rank
         if self.kind == "disk-full":
-            self._record(damaged=self._persist_step)
+            self._record(damaged=self._persist_step, tier=DISK)
             self._kill()
         if self.kind in ("sigkill", "sigkill-restore", "sigkill-persist", "enospc", "sigkill-snapshot"):
             # the persist (the snapshot copy) runs on the engine's thread: wait until it is half-way through the
@@ -269,7 +276,8 @@ class Fault(Callback):
                 raise RuntimeError(f"the snapshot copy of step {self.step} never started; cannot fault during it")
             hit = self.kind in ("sigkill-persist", "enospc")
             damaged = self._persist_step if hit else self.step if self.kind == "sigkill-snapshot" else None
-            self._record(damaged=damaged)
+            copy = {} if damaged is None else {"tier": MEMORY if self.kind == "sigkill-snapshot" else DISK}
+            self._record(damaged=damaged, **copy)
             self._kill()
         elif self.kind == "ram-loss":
             self._record(damaged=None)
@@ -284,12 +292,12 @@ class Fault(Callback):
                     shutil.rmtree(shard)
                 self.lose_ram()
             elif self.kind == "node-loss":
-                self._record(damaged=mine)
+                self._record(damaged=mine, tier=DISK)  # its shared memory goes too: no whole snapshot is left there
                 for shard in shards:  # the node's disk and RAM are gone with it
                     shutil.rmtree(shard)
                 self.lose_ram()
             elif shards:
-                self._record(damaged=mine[-1])
+                self._record(damaged=mine[-1], tier=DISK)
                 _damage(shards[-1], self.kind)
             else:
                 self._record(damaged=None)
@@ -351,15 +359,17 @@ def drill_callbacks(
 ) -> list[Any]:
     """This attempt's report, and the fault when this launch's first attempt is the one to hit. ``elsewhere`` list
     what other tiers hold (step -> ranks: a remote store, the node's shared memory), for the report's
-    ``committed``."""
+    ``committed`` (with the checkpoint directory's) and ``elsewhere`` (theirs alone: copies a damaged disk shard
+    leaves intact)."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     tag = f"launch{args.launch}_attempt{attempt}_rank{int(os.environ.get('RANK', '0'))}"
     # what the checkpoint directory held before the engine touched it (the restart's own view of what is committed)
-    held = committed(args.run_dir)
+    held, away = committed(args.run_dir), {}
     for listing in elsewhere:
         for step, ranks in listing().items():
             held[step] = sorted(set(held.get(step, [])) | set(ranks))
-    before = {"launch": args.launch, "committed": held, "start_time": time.time()}
+            away[step] = sorted(set(away.get(step, [])) | set(ranks))
+    before = {"launch": args.launch, "committed": held, "elsewhere": away, "start_time": time.time()}
     out: list[Any] = [Report(args.run_dir / "reports" / f"{tag}.json", before, restored)]
     in_plumbing = ("none", "hang-collective", "sigkill-peer-send")  # armed by the script inside our tiers and groups
     if args.fault not in in_plumbing and attempt == 0 and args.launch == args.fault_launch:

@@ -22,6 +22,7 @@ import shutil
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -92,6 +93,11 @@ def _local_tier(callbacks: list[Callback]) -> LocalTier:
     return next(t for t in tiered.tiers if isinstance(t, LocalTier))
 
 
+def _memory_tier(callbacks: list[Callback]) -> MemoryTier:
+    tiered = next(c for c in callbacks if isinstance(c, TieredCheckpoint))
+    return next(t for t in tiered.tiers if isinstance(t, MemoryTier))
+
+
 def arm_persist_stall(fault: Fault, callbacks: list[Callback]) -> None:
     """Make the local tier's write of the fault's step stall after its data files, before its manifest."""
     local = _local_tier(callbacks)
@@ -120,19 +126,22 @@ def arm_full_disk(fault: Fault, callbacks: list[Callback]) -> None:
 
 
 def arm_restore_kill(args: argparse.Namespace, callbacks: list[Callback]) -> None:
-    """Make this rank die while it restores: SIGKILL once its shard of the restored step is read, before the ranks
-    agree on it."""
-    local = _local_tier(callbacks)
-    read = local.read
+    """Make this rank die while it restores: SIGKILL once its shard of the restored step is read from the disk (before
+    the ranks agree on it), or taken from the RAM tier (the node's shared memory, once they agreed)."""
+    local, memory = _local_tier(callbacks), _memory_tier(callbacks)
 
-    def dying_read(step: int) -> StagedSnapshot:
-        snap = read(step)
-        record_fault(args.run_dir, kind="sigkill-restore", rank=args.fault_rank, step=step, damaged=None)
-        print(f"DRILL: rank {args.fault_rank} SIGKILL while restoring step {step}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-        return snap
+    def dying(read: Callable[[int], StagedSnapshot]) -> Callable[[int], StagedSnapshot]:
+        def dying_read(step: int) -> StagedSnapshot:
+            snap = read(step)
+            record_fault(args.run_dir, kind="sigkill-restore", rank=args.fault_rank, step=step, damaged=None)
+            print(f"DRILL: rank {args.fault_rank} SIGKILL while restoring step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return snap
 
-    local.read = dying_read  # type: ignore[method-assign]
+        return dying_read
+
+    local.read = dying(local.read)  # type: ignore[method-assign,assignment]
+    memory.take = dying(memory.take)  # type: ignore[method-assign,assignment]
 
 
 def arm_peer_send_kill(args: argparse.Namespace) -> None:
@@ -210,8 +219,7 @@ def arm(args: argparse.Namespace, extra: list[Callback], callbacks: list[Callbac
 
 def shared_memory(callbacks: list[Callback]) -> tuple[Path, str | None]:
     """Where the default preset's RAM tier keeps its snapshots on this node: its shm_dir, and this run's key."""
-    tiered = next(c for c in callbacks if isinstance(c, TieredCheckpoint))
-    memory = next(t for t in tiered.tiers if isinstance(t, MemoryTier))
+    memory = _memory_tier(callbacks)
     key = resolve_run_key(memory.config.run_id)
     return Path(memory.config.shm_dir), key[0] if key is not None else None
 

@@ -41,7 +41,7 @@ import torch
 from tests.drills._harness import ROOT, Drill, DrillResult, LaunchTimeout, first_difference, run_drill
 from tests.drills._s3_outage import S3Outages
 from tests.drills._tmpfs import TmpfsUnavailable, tmpfs
-from tests.drills._user_code import FAULTS, OVERRIDES_ENV, PERSIST_EVERY
+from tests.drills._user_code import DISK, FAULTS, MEMORY, OVERRIDES_ENV, PERSIST_EVERY
 
 STEPS = 40
 PEER_EVERY = 5  # the peer tier's cadence in configs/resilience/checkpoint/tiered.yaml
@@ -150,17 +150,39 @@ def _faults(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _damaged(faults: list[dict[str, Any]]) -> set[int]:
-    out: set[int] = set()
+_EVERY_COPY = ""
+"""A damage record that names no copy: no copy of the step may be loaded."""
+
+
+def _damaged(faults: list[dict[str, Any]]) -> dict[int, str]:
+    """Damaged step -> the copy the fault damaged (its tier's name, see ``DISK``; ``_EVERY_COPY``: all of them)."""
+    out: dict[int, str] = {}
     for fault in faults:
         damaged = fault.get("damaged")
-        out |= set(damaged) if isinstance(damaged, list) else {damaged} if damaged is not None else set()
+        for step in damaged if isinstance(damaged, list) else [damaged] if damaged is not None else []:
+            out[step] = fault.get("tier", _EVERY_COPY)
     return out
 
 
-def _newest_complete(committed: dict[str, list[int]], world_size: int, damaged: set[int]) -> int | None:
-    steps = [int(s) for s, ranks in committed.items() if len(ranks) == world_size and int(s) not in damaged]
+def _newest_complete(report: dict[str, Any], world_size: int, damaged: dict[int, str]) -> int | None:
+    """The newest step of which every rank held an intact copy: a step whose disk shard a fault damaged counts
+    with the copies the other tiers hold (``elsewhere``, listed whole only: a RAM tier lists no half-made
+    snapshot)."""
+    held, away = report["committed"], report.get("elsewhere", {})
+    steps = []
+    for key, ranks in held.items():
+        step = int(key)
+        if step in damaged:
+            ranks = away.get(key, []) if damaged[step] == DISK else ranks if damaged[step] == MEMORY else []
+        if len(ranks) == world_size:
+            steps.append(step)
     return max(steps, default=None)
+
+
+def _loaded_damaged(report: dict[str, Any], damaged: dict[int, str]) -> bool:
+    """The attempt restored the very copy a fault damaged."""
+    step = report["restored_step"]
+    return step in damaged and damaged[step] in (_EVERY_COPY, report.get("restored_from"))
 
 
 def leftovers(run_dir: Path, grace_s: float = LEFTOVER_GRACE_S) -> list[str]:
@@ -205,18 +227,22 @@ def check(result: DrillResult, reference: dict[str, torch.Tensor], outcome: Outc
         problems.append("no attempt came up after the fault")
         return
     for (launch, attempt, rank), report in after:
-        expected = _newest_complete(report["committed"], drill.world_size, damaged)
+        expected = _newest_complete(report, drill.world_size, damaged)
         restored = report["restored_step"]
         if rank == 0:
             outcome.restored.append(restored)
             if drill.fault in _KILLS:
                 outcome.recomputed.append(drill.step - (restored or 0))
-        if restored in damaged:
-            problems.append(f"launch {launch} attempt {attempt} rank {rank} loaded the damaged step {restored}")
+        if _loaded_damaged(report, damaged):
+            problems.append(
+                f"launch {launch} attempt {attempt} rank {rank} loaded the damaged step {restored} "
+                f"(from {report.get('restored_from')!r}, damaged: {damaged})"
+            )
         elif restored != expected:
             problems.append(
                 f"launch {launch} attempt {attempt} rank {rank} restored step {restored}, but the newest step "
-                f"committed on every rank was {expected} (on disk: {report['committed']}, damaged: {sorted(damaged)})"
+                f"committed on every rank was {expected} (held: {report['committed']}, of which elsewhere than on "
+                f"disk: {report.get('elsewhere', {})}, damaged: {damaged})"
             )
     first_steps = [r["first_step_time"] for _, r in after if "first_step_time" in r]
     if first_steps:

@@ -74,36 +74,67 @@ def test_a_variant_is_set_against_the_default_of_the_same_commit_and_filter(tmp_
     assert "| sigkill | 2/2 | 2/2 | 8.0 | 2.5 | 7 / 7 | 1 / 1 |" in out
 
 
-def _fake_run(run_dir: Path, restored: int | None, damaged: int | None, weights: torch.Tensor) -> DrillResult:
-    """What a drill leaves: a fault record at t=100, attempt 0 before it, attempt 1 after it restoring ``restored``
-    with steps 10 and 20 committed on both ranks."""
+def _fake_run(
+    run_dir: Path,
+    restored: int | None,
+    damaged: int | None,
+    weights: torch.Tensor,
+    tier: str | None = None,
+    restored_from: str = "local",
+    elsewhere: dict[str, list[int]] | None = None,
+) -> DrillResult:
+    """What a drill leaves: a fault record at t=100 (damaging ``tier``'s copy of ``damaged``; None: every copy),
+    attempt 0 before it, attempt 1 after it restoring ``restored`` from ``restored_from``, with steps 10 and 20
+    committed on both ranks (``elsewhere``: held by tiers other than the disk)."""
     (run_dir / "reports").mkdir(parents=True)
-    (run_dir / "faults.jsonl").write_text(json.dumps({"time": 100.0, "kind": "corrupt-shard", "damaged": damaged}))
+    fault = {"time": 100.0, "kind": "corrupt-shard", "damaged": damaged} | ({"tier": tier} if tier else {})
+    (run_dir / "faults.jsonl").write_text(json.dumps(fault))
     for rank in (0, 1):
         before = {"committed": {}, "start_time": 10.0, "restored_step": None, "first_step_time": 11.0}
-        after = {"committed": {"10": [0, 1], "20": [0, 1]}, "start_time": 120.0, "restored_step": restored}
-        after |= {"first_step_time": 130.0, "final_step": 40}
+        after = {"committed": {"10": [0, 1], "20": [0, 1]}, "elsewhere": elsewhere or {}, "start_time": 120.0}
+        after |= {"restored_step": restored, "restored_from": restored_from, "first_step_time": 130.0}
+        after |= {"final_step": 40}
         (run_dir / "reports" / f"launch0_attempt0_rank{rank}.json").write_text(json.dumps(before))
         (run_dir / "reports" / f"launch0_attempt1_rank{rank}.json").write_text(json.dumps(after))
     torch.save({"w": weights}, run_dir / "weights.pt")
     return DrillResult(Drill(fault="corrupt-shard", step=25), run_dir)
 
 
+ONES = torch.ones(3)
+IN_RAM = {"20": [0, 1]}
+OLDER = "restored step 10, but the newest step committed on every rank was 20"
+
+
 @pytest.mark.parametrize(
-    ("restored", "damaged", "weights", "problem"),
+    ("restored", "damaged", "weights", "problem", "tier", "restored_from", "elsewhere"),
     [
-        (20, None, torch.ones(3), None),
-        (20, 20, torch.ones(3), "loaded the damaged step 20"),
-        (10, None, torch.ones(3), "restored step 10, but the newest step committed on every rank was 20"),
-        (10, 20, torch.ones(3), None),
-        (20, None, torch.tensor([1.0, 1.0, 1.5]), "final weights differ"),
+        (20, None, ONES, None, None, "local", None),
+        (20, 20, ONES, "loaded the damaged step 20", None, "local", None),
+        (10, None, ONES, OLDER, None, "local", None),
+        (10, 20, ONES, None, None, "local", None),
+        (20, None, torch.tensor([1.0, 1.0, 1.5]), "final weights differ", None, "local", None),
+        # the disk's shard of 20 is damaged; the RAM tier's copy of 20, whole on every rank, is not
+        (20, 20, ONES, None, "local", "memory", IN_RAM),
+        (20, 20, ONES, "loaded the damaged step 20", "local", "local", IN_RAM),
+        (10, 20, ONES, OLDER, "local", "local", IN_RAM),
+        (10, 20, ONES, None, "local", "local", {"20": [1]}),
+        # a half-made RAM snapshot: the RAM tier's copy is the damaged one
+        (20, 20, ONES, "loaded the damaged step 20", "memory", "memory", IN_RAM),
     ],
 )
 def test_check_names_every_broken_invariant(
-    tmp_path: Path, restored: int, damaged: int | None, weights: torch.Tensor, problem: str | None
+    tmp_path: Path,
+    restored: int,
+    damaged: int | None,
+    weights: torch.Tensor,
+    problem: str | None,
+    tier: str | None,
+    restored_from: str,
+    elsewhere: dict[str, list[int]] | None,
 ) -> None:
     outcome = Outcome(1, "corrupt-shard", 1, 25, 0, "local")
-    check(_fake_run(tmp_path, restored, damaged, weights), {"w": torch.ones(3)}, outcome)
+    run = _fake_run(tmp_path, restored, damaged, weights, tier, restored_from, elsewhere)
+    check(run, {"w": torch.ones(3)}, outcome)
     if problem is None:
         assert outcome.ok, outcome.problems
         assert outcome.recovery_s == 30.0
