@@ -22,7 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from lightning_resilience._lifetime import end_daemon_children
+from lightning_resilience._lifetime import StuckForks, end_daemon_children
 from lightning_resilience.exit_codes import ExitCode
 from lightning_resilience.ft.restart import FaultNote, write_fault_note
 from lightning_resilience.rundir import RunDir
@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 _CHILDREN_GRACE_S = 1.0
 """How long a hung rank's daemonic children get to end on SIGTERM before they are killed with it."""
+_CHILDREN_EVERY_S = 2.0
+"""How often the thread looks for children stuck in their fork."""
 
 OUT_OF_SECTION = "out_of_section"
 
@@ -171,6 +173,8 @@ class Watchdog:
         on_hang: called on the watchdog thread with the :class:`Hang`; the default handler ends the process.
         clock: monotonic seconds, injectable for tests (then wake the thread with :meth:`poke`).
         max_wait_s: longest sleep of the thread between two checks.
+        children: this process's children stuck in their fork, checked by the thread every few seconds (killed:
+            whoever waits for them, a loader, fails instead of waiting for a section's timeout).
     """
 
     def __init__(
@@ -180,8 +184,11 @@ class Watchdog:
         *,
         clock: Callable[[], float] = time.monotonic,
         max_wait_s: float = 1.0,
+        children: StuckForks | None = None,
     ) -> None:
         self.calibrator = calibrator
+        self._children = children
+        self._children_at = -math.inf
         self._on_hang = on_hang
         self._clock = clock
         self._max_wait_s = max_wait_s
@@ -272,9 +279,16 @@ class Watchdog:
                     self.fired = hang
                     self._on_hang(hang)
                     return
+                self._check_children()
                 self._wake.wait(self.next_check())
         except BaseException as err:  # re-raised on the training thread by stop()
             self._error = err
+
+    def _check_children(self) -> None:
+        now = self._clock()
+        if self._children is not None and now - self._children_at >= _CHILDREN_EVERY_S:
+            self._children_at = now
+            self._children.check()
 
     def stop(self, timeout: timedelta = timedelta(seconds=10)) -> None:
         """Stop and join the thread (bounded); re-raise an error it hit."""

@@ -12,6 +12,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_resilience._lifetime import stuck_forks
 from lightning_resilience.checkpoint.stats import CheckpointStats
 from lightning_resilience.exit_codes import DecidedExit
 from lightning_resilience.ft.config import FaultToleranceConfig
@@ -151,7 +152,7 @@ class FaultTolerance(Callback):
             exit=cfg.exit_on_hang,
         )
         on_hang = self._on_hang or self._hang_handler
-        self.watchdog = Watchdog(self.calibrator, on_hang, clock=self._clock)
+        self.watchdog = Watchdog(self.calibrator, on_hang, clock=self._clock, children=stuck_forks())
         self.watchdog.switch("setup", trainer.global_step)
         self.watchdog.start()
         self.monitor, self.monitor_reason = connect_rank_monitor(cfg.nvrx)
