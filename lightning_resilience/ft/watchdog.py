@@ -20,14 +20,14 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from lightning_resilience._lifetime import StuckForks, end_daemon_children
+from lightning_resilience._lifetime import end_daemon_children
 from lightning_resilience.exit_codes import ExitCode
 from lightning_resilience.ft.restart import FaultNote, write_fault_note
 from lightning_resilience.rundir import RunDir
 
-__all__ = ["Hang", "HangHandler", "TimeoutCalibrator", "Watchdog", "dump_stacks"]
+__all__ = ["ChildCheck", "Hang", "HangHandler", "TimeoutCalibrator", "Watchdog", "dump_stacks"]
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,13 @@ class Hang:
         return self.basis == "calibrated"
 
 
+class ChildCheck(Protocol):
+    """What the watchdog's thread calls every few seconds: find the children stuck in their fork and kill them
+    (:class:`~lightning_resilience._lifetime.StuckForks`); returns their pids."""
+
+    def check(self) -> list[int]: ...
+
+
 class Watchdog:
     """Times the sections of one rank on an owned daemon thread; calls ``on_hang`` once when one overruns.
 
@@ -184,7 +191,7 @@ class Watchdog:
         *,
         clock: Callable[[], float] = time.monotonic,
         max_wait_s: float = 1.0,
-        children: StuckForks | None = None,
+        children: ChildCheck | None = None,
     ) -> None:
         self.calibrator = calibrator
         self._children = children

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from lightning_resilience._lifetime import StuckForks, end_daemon_children
+from lightning_resilience._lifetime import end_daemon_children
 from lightning_resilience.ft.watchdog import TimeoutCalibrator, Watchdog
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,10 +161,10 @@ def test_a_child_stuck_in_its_fork_is_killed_and_the_others_are_left() -> None:
     assert "have not started" in done.stderr
 
 
-class _Children(StuckForks):
+class _Children:
     """Counts the watchdog's checks and lets the test wait for them (no children looked at)."""
 
-    def __init__(self) -> None:  # no pipe, no hook: only what the watchdog calls
+    def __init__(self) -> None:
         self.calls = 0
         self.checked = threading.Event()
 
