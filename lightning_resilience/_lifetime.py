@@ -105,7 +105,6 @@ class StuckForks:
         self._told: set[int] = set()
         self._seen: dict[int, float] = {}
         self._program = _cmdline(os.getpid())
-        self.killed: list[int] = []
         os.register_at_fork(before=self._note_before, after_in_parent=self._note_after, after_in_child=self._tell)
 
     # the hooks: in the parent around os.fork (the forking thread holds the GIL throughout), in the child right after
@@ -141,7 +140,6 @@ class StuckForks:
         self._told &= children
         self._seen = {pid: t for pid, t in self._seen.items() if pid in watched and pid not in stuck}
         if stuck:
-            self.killed += stuck
             log.error(
                 "child processes %s have not started %.0f s after their fork (stuck in it: CPython 3.11 forking "
                 "beside a native thread that takes the GIL): killed, so that whoever waits for them fails now",

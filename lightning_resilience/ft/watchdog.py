@@ -292,8 +292,10 @@ class Watchdog:
             self._error = err
 
     def _check_children(self) -> None:
+        if self._children is None:
+            return
         now = self._clock()
-        if self._children is not None and now - self._children_at >= _CHILDREN_EVERY_S:
+        if now - self._children_at >= _CHILDREN_EVERY_S:
             self._children_at = now
             self._children.check()
 

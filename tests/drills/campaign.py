@@ -172,8 +172,8 @@ def _newest_complete(report: dict[str, Any], world_size: int, damaged: dict[int,
     steps = []
     for key, ranks in held.items():
         step = int(key)
-        if step in damaged:
-            ranks = away.get(key, []) if damaged[step] == DISK else ranks if damaged[step] == MEMORY else []
+        if step in damaged:  # the intact copies: elsewhere than the damaged disk, or listed whole (RAM)
+            ranks = {DISK: away.get(key, []), MEMORY: ranks}.get(damaged[step], [])
         if len(ranks) == world_size:
             steps.append(step)
     return max(steps, default=None)
