@@ -40,8 +40,15 @@ def _child(ranks: int, steps: int, step_ms: float) -> dict[str, Any]:
     config = StragglerConfig()
     every = config.gather_every_n_steps
 
+    unit = _calibrate()
+    chunk = max(1, round(CHUNK_S / unit))  # the training thread's work in slices of about 0.1 ms
+    per_step = max(1, round(step_ms / 1e3 / (chunk * unit)))
+    # the other ranks as healthy as this one: rank 0 times its whole step as compute (no sections, no waits), so
+    # theirs is scaled to the step it will take; else the detector names rank 0 a straggler at every exchange
+    scale = per_step * chunk * unit / _BASE["compute"]
+
     def payload(rank: int, first: int = 0) -> bytes:
-        times = [{s: _BASE[s] * (1 + 0.05 * rng.gauss(0, 1)) for s in _SECTIONS} for _ in range(every)]
+        times = [{s: scale * _BASE[s] * (1 + 0.05 * rng.gauss(0, 1)) for s in _SECTIONS} for _ in range(every)]
         host, steps = f"node{rank // 8:05d}", list(range(first, first + every))
         return encode_payload({"rank": rank, "host": host, "local_world_size": 8, "steps": steps, "times": times})
 
@@ -83,9 +90,6 @@ def _child(ranks: int, steps: int, step_ms: float) -> dict[str, Any]:
     pid = getattr(scorer, "pid", None)
     if len(cores) >= 2 and pid is not None:  # the scorer on a core of its own: the training thread keeps one
         os.sched_setaffinity(pid, cores[-1:])
-    unit = _calibrate()
-    chunk = max(1, round(CHUNK_S / unit))  # the training thread's work in slices of about 0.1 ms
-    per_step = max(1, round(step_ms / 1e3 / (chunk * unit)))
     durations = array("d", bytes(8 * steps * per_step))
     hooks = 0.0
     for i in range(steps):
@@ -104,6 +108,7 @@ def _child(ranks: int, steps: int, step_ms: float) -> dict[str, Any]:
             detector.end_step(i)
             hooks += (t1 - t0) + (time.perf_counter() - t2)
     exchanges = detector.gathers  # no close: it would wait for the scoring of the exchanges still queued
+    verdicts = len(detector.verdicts)  # of the exchanges read back: a healthy job has none
     if pid is not None:  # reaped here, so that its CPU counts as the benchmark's own, not another process's
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
@@ -140,6 +145,7 @@ def _child(ranks: int, steps: int, step_ms: float) -> dict[str, Any]:
         "worst_hold_off_s": worst_off,
         "gather_every_n_steps": every,
         "exchanges": exchanges,
+        "verdicts": verdicts,
         "bytes_at_rank0": sum(len(b) for b in blobs),
         "bytes_per_rank": statistics.fmean(len(b) for b in bodies),
         "scoring_s": scoring,

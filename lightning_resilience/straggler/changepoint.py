@@ -23,6 +23,7 @@ when the confirmation median stays below the midpoint ``exp(k)`` for ``2 x confi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,6 +153,42 @@ class RobustCusum:
         if self._updates % MIN_HISTORY == 0:
             self._refresh_scale()
         return ChangePointEvents(started=started, ended=ended, slowdown=np.exp(med), cusum=self.cusum.copy())
+
+    @property
+    def until_refresh(self) -> int:
+        """Updates left until the noise scale is refreshed (after the last of them)."""
+        return MIN_HISTORY - self._updates % MIN_HISTORY
+
+    def update_calm(self, steps: Sequence[int], slowdown: np.ndarray) -> bool:
+        """Feed ``len(steps)`` samples of every series at once (``slowdown``: steps x series, all valid) when no
+        series is in an episode and none reaches the threshold on the way; no more than :attr:`until_refresh`.
+        The same state as one :meth:`update` per step; False (nothing changed) where they would do more than count:
+        the caller then feeds the samples one by one."""
+        if len(steps) > self.until_refresh:
+            raise ValueError(f"{len(steps)} samples past the next refresh of the noise scale ({self.until_refresh})")
+        if self.flagged.any() or not bool((slowdown > 0).all()):
+            return False
+        y = np.log(slowdown)
+        testable = self.scale > 0
+        z = np.clip((y - self.allowance) / np.where(testable, self.scale, 1.0), -self.clip, self.clip)
+        sums, cusum = [], self.cusum
+        for row in z:  # the recursion, step by step (the same rounding as update)
+            cusum = np.where(testable, np.maximum(0.0, cusum + row), cusum)
+            sums.append(cusum)
+        if any(bool((c >= self.threshold).any()) for c in sums):
+            return False
+        every = np.arange(self.world_size)
+        for t, step in enumerate(steps):
+            self._recent[self._recent_idx % self.confirm_steps, every] = y[t]
+            self._recent_idx += 1
+            self.last_zero[sums[t] == 0.0] = step
+            self._hist[every, self._hist_idx % self.window] = y[t]
+            self._hist_idx += 1
+        self.cusum = cusum
+        self._updates += len(steps)
+        if self._updates % MIN_HISTORY == 0:
+            self._refresh_scale()
+        return True
 
     def _refresh_scale(self) -> None:
         """The noise scale moves slowly: refreshed every MIN_HISTORY updates, not every step."""

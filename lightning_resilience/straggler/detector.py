@@ -1,20 +1,16 @@
 """StragglerDetector: per-rank timing, a bounded-cadence exchange of timings, change-point verdicts and the action
 ladder, with no framework dependency.
 
-Every rank times its own steps. At each exchange (every ``gather_every_n_steps`` steps) every rank sends its timings
-of each step since the previous exchange; the scores, change points and the ladder then run step by step on the
-gathered records. Two ways to exchange:
-
-* along the tree of the step agreement to rank 0 alone (:meth:`StragglerDetector.with_tree`, what the Lightning
-  callback uses): issued without waiting, taken at a later step and handed unparsed to rank 0's scorer (a process of
-  its own by default), which decides; the policy's next agreement tells the others. Nothing in a training process
-  parses N records;
-* by an all-gather to every rank (``gather``, :meth:`StragglerDetector.from_process_group`): every rank runs the
-  same computation on the same records and reaches the same decisions at the same step.
+Every rank times its own steps and, every ``gather_every_n_steps`` steps, sends its timings of each step since. Along
+the step agreement's tree to rank 0 alone (:meth:`StragglerDetector.with_tree`, the Lightning callback's way): issued
+without waiting, taken at a later step and handed unparsed to rank 0's scorer (a process of its own by default), which
+decides; the policy's next agreement tells the others, and nothing in a training process parses N records. Or by an
+all-gather (``gather``, :meth:`StragglerDetector.from_process_group`): every rank reaches the same decisions.
 
 By default the tested series are each rank's ``compute`` (its step minus the collective waits the probes measure)
 and ``data`` (its wait for the next batch), scored against the other ranks; a job-wide slowdown (every rank's own
-work slower than its own history) is a separate job verdict.
+work slower than its own history) is a separate job verdict. Scores, change points and the ladder run step by step
+on the gathered records, the calm steps of an exchange at once (the same state).
 """
 
 from __future__ import annotations
@@ -66,6 +62,7 @@ log = logging.getLogger(__name__)
 
 AUTO_SECTIONS = (COMPUTE, DATA)  # tested when the configuration names none
 _HISTORY_CAP, _HISTORY_VALUES = 20_000, 2_000_000  # samples kept for the plot and the report; timings in them
+_KEPT = (STEP, COMPUTE, DATA, WAIT)  # the sections the history keeps, in this order
 
 
 class StragglerDetector:
@@ -118,19 +115,18 @@ class StragglerDetector:
         if world_size > 1 and gather is None and tree is None:
             raise ValueError("a gather function or a tree is required with world_size > 1 (see gloo_gather)")
         self.rank, self.world_size = rank, world_size
-        self._gather = gather
-        self._tree = tree
+        self._gather, self._tree = gather, tree
         self._inflight: Pending | None = None
         self._scorer: Scorer | None = None  # rank 0 of a tree: scores off the training thread (config.scoring)
-        if timer is None:
-            use_cuda = c.cuda_events and torch.cuda.is_available()
-            timer = StepTimer(CudaEventSource() if use_cuda else None, clock=clock)
-        self.timer = timer
+        use_cuda = timer is None and c.cuda_events and torch.cuda.is_available()
+        self.timer = timer = timer or StepTimer(CudaEventSource() if use_cuda else None, clock=clock)
         self.probe = WaitProbe(timer)
         self.hostname = hostname or socket.gethostname()
         env_lws = os.environ.get("LOCAL_WORLD_SIZE")
         self.local_world_size = local_world_size or (int(env_lws) if env_lws and env_lws.isdigit() else 0)
-        self._kernels = kernel_scores if kernel_scores is not None else self._open_kernels()
+        if kernel_scores is None and c.kernel_scores:
+            kernel_scores = open_kernel_scores()
+        self._kernels = kernel_scores
         self.mode = "relative" if world_size > 1 and c.detect_on == "relative" else "individual"
         self.episodes = Episodes(c, rank)
 
@@ -148,8 +144,7 @@ class StragglerDetector:
         """Per gathered step: (step, {section: seconds per rank}) for step, compute, data and wait."""
         self._texts: dict[bytes, tuple[str, tuple[str, ...]]] = {}  # where it scores: the payloads' texts read
         self.last_decisions: list[Escalation] = []
-        self.gathers = 0
-        self.gather_seconds = 0.0
+        self.gathers, self.gather_seconds = 0, 0.0
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -169,9 +164,6 @@ class StragglerDetector:
         decides; nothing is created (not collective)."""
         group = tree.group
         return cls(config, rank=group.rank, world_size=group.world_size, tree=tree, **kwargs)
-
-    def _open_kernels(self) -> NvrxKernelScores | None:
-        return open_kernel_scores() if self.config.kernel_scores else None
 
     def attach(self, model: nn.Module) -> str:
         """Probe the collective waits of ``model`` (a DDP wrapper, or a model holding FSDP modules) so that
@@ -294,12 +286,7 @@ class StragglerDetector:
         try:
             gathered = pending.result()
         except Exception as err:  # CollectiveError from the tree
-            raise StragglerGatherError(
-                f"straggler: exchange of step timings failed at step {pending.step} ({err}); a rank is hung, gone or "
-                f"more than {timedelta(seconds=self.config.gather_timeout_s)} behind",
-                op="straggler.exchange",
-                group="straggler",
-            ) from err
+            raise self._failed(pending.step, err) from err
         self.gather_seconds += time.perf_counter() - pending.issued
         if gathered:  # handed on unparsed: nothing here grows with the number of ranks
             self.start_scorer().submit(int(pending.step or 0), gathered.blobs)
@@ -333,13 +320,9 @@ class StragglerDetector:
             if kernels is not None:
                 row[KERNELS] = kernels
             times.append(row)
-        return {
-            "rank": self.rank,
-            "host": self.hostname,
-            "local_world_size": self.local_world_size,
-            "steps": [s for s, _ in buffer],
-            "times": times,
-        }
+        steps = [s for s, _ in buffer]
+        return {"rank": self.rank, "host": self.hostname, "local_world_size": self.local_world_size, "steps": steps,
+                "times": times}  # fmt: skip
 
     def _exchange(self, payload: Payload) -> Sequence[Payload]:
         if self._gather is None:
@@ -348,14 +331,17 @@ class StragglerDetector:
         try:
             gathered = self._gather(payload)
         except Exception as err:  # CollectiveError from the side group, or what a custom gather raises
-            raise StragglerGatherError(
-                f"straggler: exchange of step timings failed at step {self._last_step} ({err}); a rank is hung, gone "
-                f"or more than {timedelta(seconds=self.config.gather_timeout_s)} behind",
-                op="straggler.exchange",
-                group="straggler",
-            ) from err
+            raise self._failed(self._last_step, err) from err
         self.gather_seconds += time.perf_counter() - t0
         return gathered
+
+    def _failed(self, step: int | None, err: Exception) -> StragglerGatherError:
+        return StragglerGatherError(
+            f"straggler: exchange of step timings failed at step {step} ({err}); a rank is hung, gone or more than "
+            f"{timedelta(seconds=self.config.gather_timeout_s)} behind",
+            op="straggler.exchange",
+            group="straggler",
+        )
 
     def consume(self, step: int, payloads: Sequence[Payload] | Table) -> list[Escalation]:
         """Update scores, change points and the ladder from every rank's payload (dicts, or a :class:`~.exchange.Table`)
@@ -369,13 +355,27 @@ class StragglerDetector:
         missing = np.full(self.world_size, np.nan)
         names = [*self._payload_sections, *([KERNELS] if KERNELS in self.sections else [])]
         decisions: list[Escalation] = []
-        for j in range(table.times.shape[1]):
-            at = int(table.steps[j]) if j < len(table.steps) else step
-            column = {name: c if (c := table.column(j, name)) is not None else missing for name in names}
-            decisions += self._score(at, column)
+        samples = table.times.shape[1]
+        steps = [int(table.steps[j]) if j < len(table.steps) else step for j in range(samples)]
+        j = 0
+        while j < samples:  # calm samples several at a time (the same state); one at a time the others
+            if not (calm := self._score_calm(steps[j:], table.block(j, self.sections), table.block(j, _KEPT))):
+                column = {n: c if (c := table.column(j, n)) is not None else missing for n in names}
+                decisions += self._score(steps[j], column)
+            j += calm or 1
         decisions.sort(key=lambda d: (d.action.severity, d.verdict.rank))
         self.episodes.act(decisions)
         return decisions
+
+    def _score_calm(self, steps: list[int], times: np.ndarray | None, kept: np.ndarray | None) -> int:
+        """The leading samples the scoreboard takes at once (:meth:`Scoreboard.update_calm`), kept in the history."""
+        if times is None or kept is None:
+            return 0
+        work = kept[:, 1] + np.where(np.isnan(kept[:, 2]), 0.0, kept[:, 2])  # compute + data wait, as in _score
+        calm = self.scoreboard.update_calm(steps, times, work)
+        self.history.extend((steps[t], dict(zip(_KEPT, kept[t].copy()))) for t in range(calm))
+        self._last_gather_step = steps[calm - 1] if calm else self._last_gather_step
+        return calm
 
     def _score(self, step: int, column: dict[str, np.ndarray]) -> list[Escalation]:
         """One gathered step: every rank's seconds per section."""
@@ -383,7 +383,7 @@ class StragglerDetector:
         self._last_gather_step = step
         data = column[DATA]
         work = column[COMPUTE] + np.where(np.isnan(data), 0.0, data)  # no data wait measured (after a pause)
-        self.history.append((step, {k: column[k].copy() for k in (STEP, COMPUTE, DATA, WAIT)}))
+        self.history.append((step, {k: column[k].copy() for k in _KEPT}))
         board = self.scoreboard
         events = board.update(step, np.stack([column[name] for name in self.sections]), work)
         score = "relative" if self.mode == "relative" else "individual"

@@ -118,6 +118,14 @@ class Table:
             return None
         return self.times[:, sample, self.sections.index(section)]
 
+    def block(self, start: int, sections: Sequence[str]) -> np.ndarray | None:
+        """Every rank's seconds of ``sections`` at the samples from ``start`` on: samples x sections x ranks (None:
+        no rank sent one of them)."""
+        if not set(sections) <= set(self.sections):
+            return None
+        picked = self.times[:, start:, [self.sections.index(name) for name in sections]]
+        return np.ascontiguousarray(picked.transpose(1, 2, 0))
+
 
 _Block = tuple[np.ndarray, np.ndarray, list[str], tuple[str, ...], np.ndarray, np.ndarray]
 """Records of one layout: ranks (n), ranks per node (n), hosts, sections, steps (n x k), times (n x k x sections)."""

@@ -17,7 +17,12 @@ import numpy as np
 from lightning_resilience.straggler.changepoint import MIN_HISTORY, ChangePointEvents, RobustCusum
 from lightning_resilience.straggler.config import StragglerConfig
 from lightning_resilience.straggler.kernels import KERNELS
-from lightning_resilience.straggler.scores import IndividualBaseline, excess_slowdowns, leave_one_out_reference
+from lightning_resilience.straggler.scores import (
+    IndividualBaseline,
+    excess_slowdowns,
+    leave_one_out_complete,
+    leave_one_out_reference,
+)
 
 __all__ = ["JOB", "WORK", "Scoreboard"]
 
@@ -115,3 +120,37 @@ class Scoreboard:
         self.rel_count += seen
         self.rel_max = np.fmax(self.rel_max, self.relative)
         return events
+
+    def update_calm(self, steps: Sequence[int], times: np.ndarray, work: np.ndarray) -> int:
+        """Score the leading samples of ``steps`` at once while the job is calm: ``times[t, s, r]`` and ``work[t, r]``
+        as :meth:`update` takes them, one sample a row. Calm: every value measured, no series in an episode and
+        none reaching its threshold. Returns how many samples were scored (up to the next refresh of a baseline or a
+        noise scale, where the next call goes on), with the same state as one :meth:`update` each; 0 when they are
+        not calm (the caller scores them one by one, which sees what happens)."""
+        s, w = len(self.sections), self.world_size
+        count = min(len(steps), self.cusum.until_refresh, self.baseline.until_refresh)
+        times, work = times[:count], work[:count]
+        if w < 2 or KERNELS in self.sections or not (bool((times >= 0).all()) and bool((work > 0).all())):
+            return 0  # NaN compares False: a value not measured is scored one by one
+        best = self.baseline.best
+        best_work = best[s * w :]
+        loo_work = leave_one_out_complete(work, self.reference)[:, None, :]
+        relative = excess_slowdowns(times, leave_one_out_complete(times, self.reference), loo_work)
+        individual = excess_slowdowns(times, best[: s * w].reshape(s, w), best_work)
+        flat = (relative if self.relative_mode else individual).reshape(count, s * w)
+        if self.has_job:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                own = work / best_work
+            job = np.where(np.isfinite(own).all(axis=1), own.min(axis=1, initial=np.inf), np.nan)
+            flat = np.concatenate([flat, job[:, None]], axis=1)
+        if not self.cusum.update_calm(steps[:count], flat):
+            return 0
+        self.baseline.update_all(np.concatenate([times.reshape(count, s * w), work], axis=1))
+        for row in relative:  # the running sums as update adds them, a sample at a time
+            self.rel_sum += row
+        self.rel_count += count
+        self.rel_max = np.fmax(self.rel_max, np.fmax.reduce(relative, axis=0))
+        self.relative, self.individual = relative[-1].copy(), individual[-1].copy()
+        if self.has_job:
+            self.job_last = float(flat[-1, -1])
+        return count

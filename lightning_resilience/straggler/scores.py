@@ -14,6 +14,7 @@ import numpy as np
 __all__ = [
     "IndividualBaseline",
     "excess_slowdowns",
+    "leave_one_out_complete",
     "leave_one_out_reference",
     "nanmedian",
     "relative_slowdowns",
@@ -50,27 +51,33 @@ def leave_one_out_reference(times: np.ndarray, reference: str = "median", *, pos
     """
     times = np.asarray(times, dtype=np.float64)
     ok = times > 0 if positive else times >= 0  # NaN compares False
-    if times.size == 2 and ok.all():  # the common small case: each rank's reference is the other one
-        return times[::-1].copy()
     n = int(np.count_nonzero(ok))
     if n < 2:
         return np.full(times.shape, np.nan)
-    vals = times if n == times.size else times[ok]
+    if n == times.size:
+        return leave_one_out_complete(times, reference)
+    out = np.full(times.shape, np.nan)
+    out[ok] = leave_one_out_complete(times[ok], reference)
+    return out
+
+
+def leave_one_out_complete(values: np.ndarray, reference: str = "median") -> np.ndarray:
+    """:func:`leave_one_out_reference` along the last axis of ``values`` where every value is a sample (at least two
+    a line): one call for the ranks of many steps (``steps x ranks``), the same values as one call per step."""
+    n = values.shape[-1]
+    if n == 2:
+        return values[..., ::-1].copy()
     # Only the order statistics next to the answer are needed, not every rank's position: a partition (O(N)), not a
     # sort. Removing a rank whose value is at most the k-th smallest v[k] shifts the others' k-th smallest to
     # v[k+1]; a larger value leaves it at v[k] (ties choose between equal values).
     m = n - 1  # the others
     j = 0 if reference == "fastest" else m // 2
-    kth = sorted({max(j - 1, 0), j, j + 1})
-    v = np.partition(vals, kth)
-    ref = np.where(vals <= v[j], v[j + 1], v[j])
+    v = np.partition(values, sorted({max(j - 1, 0), j, j + 1}), axis=-1)
+    at = lambda k: v[..., k : k + 1]  # noqa: E731  # the k-th smallest, for every line
+    ref = np.where(values <= at(j), at(j + 1), at(j))
     if reference != "fastest" and m % 2 == 0:
-        ref = 0.5 * (np.where(vals <= v[j - 1], v[j], v[j - 1]) + ref)
-    if n == times.size:
-        return np.asarray(ref, dtype=np.float64)
-    out = np.full(times.shape, np.nan)
-    out[ok] = ref
-    return out
+        ref = 0.5 * (np.where(values <= at(j - 1), at(j), at(j - 1)) + ref)
+    return np.asarray(ref, dtype=np.float64)
 
 
 def relative_slowdowns(times: np.ndarray, reference: str = "median") -> np.ndarray:
@@ -134,6 +141,24 @@ class IndividualBaseline:
         self._count[take] += 1
         self._updates += 1
         if self._updates % self.refresh == 0:  # the baseline moves slowly: the step must not pay a median each time
+            self._refresh()
+
+    @property
+    def until_refresh(self) -> int:
+        """Updates left until the levels are refreshed (after the last of them)."""
+        return self.refresh - self._updates % self.refresh
+
+    def update_all(self, times: np.ndarray) -> None:
+        """Feed several updates of every rank at once (``times``: updates x ranks, all valid), no more than
+        :attr:`until_refresh`: the same state as one :meth:`update` each with every rank in its mask."""
+        if times.shape[0] > self.until_refresh:
+            raise ValueError(f"{times.shape[0]} updates past the next refresh of the levels ({self.until_refresh})")
+        every = np.arange(self._ring.shape[0])
+        for row in times:
+            self._ring[every, self._count % self.window] = row
+            self._count += 1
+        self._updates += times.shape[0]
+        if self._updates % self.refresh == 0:
             self._refresh()
 
     def _refresh(self) -> None:

@@ -1,0 +1,99 @@
+"""The calm samples of an exchange are scored at once (``Scoreboard.update_calm``): the same verdicts, decisions and
+state, to the bit, as scoring them one by one; and most samples of a calm job go that way."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lightning_resilience.straggler.config import StragglerConfig
+from lightning_resilience.straggler.detector import StragglerDetector
+from lightning_resilience.straggler.scores import leave_one_out_complete, leave_one_out_reference
+from tests.straggler._sim import Cluster, jitter_cost
+
+STEPS = 400
+
+
+def _state(det: StragglerDetector) -> dict[str, Any]:
+    board = det.scoreboard
+    return {
+        "relative": board.relative,
+        "individual": board.individual,
+        "rel_sum": board.rel_sum,
+        "rel_max": board.rel_max,
+        "rel_count": board.rel_count,
+        "job_last": np.array(board.job_last),
+        "cusum": board.cusum.cusum,
+        "scale": board.cusum.scale,
+        "last_zero": board.cusum.last_zero,
+        "flagged": board.cusum.flagged,
+        "best": board.baseline.best,
+        "history_steps": np.array([s for s, _ in det.history]),
+        "history": np.array([[v for _, v in sorted(h.items())] for _, h in det.history]),
+    }
+
+
+def _run(world: int, config: StragglerConfig, cost: Any, *, calm: bool) -> tuple[Cluster, int]:
+    cluster = Cluster(world, config, gather_every=config.gather_every_n_steps)
+    taken = [0]
+    for det in cluster.detectors:
+        board = det.scoreboard
+        if calm:
+            real = board.update_calm
+
+            def counted(*args: Any, _real: Any = real) -> int:
+                n = int(_real(*args))
+                taken[0] += n
+                return n
+
+            board.update_calm = counted  # type: ignore[method-assign]
+        else:
+            board.update_calm = lambda *args: 0  # type: ignore[method-assign]
+    cluster.run(STEPS, cost)
+    return cluster, taken[0]
+
+
+@pytest.mark.parametrize(
+    ("world", "reference", "detect_on"),
+    [(2, "median", "relative"), (5, "median", "relative"), (4, "fastest", "relative"), (3, "median", "individual")],
+)
+def test_calm_samples_scored_at_once_leave_the_same_state_as_one_by_one(world: int, reference: str, detect_on: str):
+    config = dataclasses.replace(StragglerConfig(), reference=reference, detect_on=detect_on)
+    spikes = {(world - 1, 60): 3.0, (0, 61): 2.5}  # noise the test must not take for a straggler
+    cost = lambda: jitter_cost(7, slow_rank=world - 1, factor=1.5, onset=220, spikes=spikes)  # noqa: E731
+    one_by_one, untouched = _run(world, config, cost(), calm=False)
+    at_once, taken = _run(world, config, cost(), calm=True)
+    assert untouched == 0
+    samples = STEPS - config.warmup_steps
+    assert taken > samples * world // 2, f"only {taken} of {samples * world} samples went the calm way"
+    for a, b in zip(one_by_one.detectors, at_once.detectors):
+        assert a.verdicts == b.verdicts
+        assert a.decisions == b.decisions
+        for name, value in _state(a).items():
+            assert np.array_equal(value, _state(b)[name], equal_nan=True), name
+    if detect_on == "relative":
+        assert any(v.rank == world - 1 for v in at_once.verdicts), "the slow rank was not named"
+
+
+def test_a_job_wide_slowdown_is_scored_one_by_one_and_still_found():
+    config = StragglerConfig()
+    slower = jitter_cost(3)
+    cost = lambda rank, step: slower(rank, step) * (1.6 if step >= 200 else 1.0)  # noqa: E731
+    one_by_one, _ = _run(3, config, cost, calm=False)
+    at_once, _ = _run(3, config, cost, calm=True)
+    assert at_once.verdicts == one_by_one.verdicts
+    assert any(v.scope == "job" for v in at_once.verdicts)
+
+
+@pytest.mark.parametrize("width", [2, 3, 4, 7])
+@pytest.mark.parametrize("reference", ["median", "fastest"])
+def test_leave_one_out_over_many_steps_matches_one_step_at_a_time(width: int, reference: str):
+    rng = np.random.default_rng(width)
+    values = rng.lognormal(0.0, 0.2, size=(6, 3, width))
+    values[1, 0, :] = 0.5  # ties
+    at_once = leave_one_out_complete(values, reference)
+    for index in np.ndindex(values.shape[:-1]):
+        assert np.array_equal(at_once[index], leave_one_out_reference(values[index], reference))
