@@ -44,8 +44,14 @@ def _child(ranks: int, steps: int, step_ms: float) -> dict[str, Any]:
     chunk = max(1, round(CHUNK_S / unit))  # the training thread's work in slices of about 0.1 ms
     per_step = max(1, round(step_ms / 1e3 / (chunk * unit)))
     # the other ranks as healthy as this one: rank 0 times its whole step as compute (no sections, no waits), so
-    # theirs is scaled to the step it will take; else the detector names rank 0 a straggler at every exchange
-    scale = per_step * chunk * unit / _BASE["compute"]
+    # theirs is scaled to the step it takes (timed here); else the detector names rank 0 a straggler
+    trial = []
+    for _ in range(7):
+        t = time.perf_counter()
+        for _ in range(per_step):
+            _work(chunk)
+        trial.append(time.perf_counter() - t)
+    scale = statistics.median(trial) / _BASE["compute"]
 
     def payload(rank: int, first: int = 0) -> bytes:
         times = [{s: scale * _BASE[s] * (1 + 0.05 * rng.gauss(0, 1)) for s in _SECTIONS} for _ in range(every)]
@@ -96,6 +102,8 @@ def _child(ranks: int, steps: int, step_ms: float) -> dict[str, Any]:
         on = (i // BLOCK) % 2 == 1  # off first: the scorer process is forked, the first exchange not yet issued
         t0 = time.perf_counter()
         if on:
+            if i % BLOCK == 0:  # the block off was no wait for data
+                detector.timer.reset_data_wait()
             detector.start_step()
         t1 = time.perf_counter()
         at = i * per_step

@@ -16,7 +16,8 @@ process (its own interpreter), so it is not counted.
 One process stands for rank 0 of N ranks: a real :class:`~lightning_resilience.straggler.StragglerDetector` on a real
 :class:`~lightning_resilience.step.agreement.TreeAgreement`, with the default config and its scoring process (on a
 core of its own, as on a node), whose side group delivers what rank 0's 4 children would send: each child's blob of
-its subtree's records (real payloads of 10 steps of 7 sections, host names 8 ranks a node), copied as a receive
+its subtree's records (real payloads of 10 steps of 7 sections, host names 8 ranks a node; each rank as healthy as
+rank 0, its timings jittering 5% around rank 0's step, so that no verdict is reached), copied as a receive
 copies it. The training thread computes pure-Python work in slices of about 0.1 ms and calls the detector's step
 hooks; in blocks of 50 steps the detector is on, then off (the same work without it). Reported per N: what an
 exchange adds to rank 0's training thread (its time in the detector's calls, plus the time its slices were held up
@@ -172,7 +173,8 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"## {result['title']}",
             "",
             f"`{result['command']}` — {result['date']}, one process as rank 0 of N (its tree's 4 children stood for "
-            f"by blobs of real payloads), the default `StragglerConfig()` with its scoring process on a core of its "
+            f"by blobs of real payloads of ranks as healthy as rank 0: their timings jitter 5% around its step), the "
+            f"default `StragglerConfig()` with its scoring process on a core of its "
             f"own, {cfg['reps']} runs per row of {cfg['steps']} steps of Python work in slices of 0.1 ms, the "
             f"detector on and off in blocks of {cfg['block']}; {bench.load_line(result['machine'])}. CPU only.",
             "",
