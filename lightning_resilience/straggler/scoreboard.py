@@ -129,8 +129,9 @@ class Scoreboard:
         not calm (the caller scores them one by one, which sees what happens)."""
         s, w = len(self.sections), self.world_size
         count = min(len(steps), self.cusum.until_refresh, self.baseline.until_refresh)
-        times, work = times[:count], work[:count]
-        if w < 2 or KERNELS in self.sections or not (bool((times >= 0).all()) and bool((work > 0).all())):
+        # in float64 before any arithmetic, as update's functions take them (an exchange's timings are float32)
+        times, work = np.asarray(times[:count], np.float64), np.asarray(work[:count], np.float64)
+        if not count or w < 2 or KERNELS in self.sections or not ((times >= 0).all() and (work > 0).all()):
             return 0  # NaN compares False: a value not measured is scored one by one
         best = self.baseline.best
         best_work = best[s * w :]

@@ -9,8 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from lightning_resilience.step.agreement import frame
 from lightning_resilience.straggler.config import StragglerConfig
 from lightning_resilience.straggler.detector import StragglerDetector
+from lightning_resilience.straggler.exchange import decode_gathered, encode_payload
 from lightning_resilience.straggler.scores import leave_one_out_complete, leave_one_out_reference
 from tests.straggler._sim import Cluster, jitter_cost
 
@@ -36,10 +38,19 @@ def _state(det: StragglerDetector) -> dict[str, Any]:
     }
 
 
-def _run(world: int, config: StragglerConfig, cost: Any, *, calm: bool) -> tuple[Cluster, int]:
+def _run(world: int, config: StragglerConfig, cost: Any, *, calm: bool, wire: bool = False) -> tuple[Cluster, int]:
+    """``wire``: every exchange as rank 0's scorer reads it, encoded and framed (timings in float32)."""
     cluster = Cluster(world, config, gather_every=config.gather_every_n_steps)
     taken = [0]
     for det in cluster.detectors:
+        if wire:
+            consume = det.consume
+
+            def read(step: int, payloads: Any, _consume: Any = consume) -> Any:
+                blob = frame([(r, encode_payload(p)) for r, p in enumerate(payloads)])
+                return _consume(step, decode_gathered([blob]))
+
+            det.consume = read  # type: ignore[method-assign]
         board = det.scoreboard
         if calm:
             real = board.update_calm
@@ -57,15 +68,24 @@ def _run(world: int, config: StragglerConfig, cost: Any, *, calm: bool) -> tuple
 
 
 @pytest.mark.parametrize(
-    ("world", "reference", "detect_on"),
-    [(2, "median", "relative"), (5, "median", "relative"), (4, "fastest", "relative"), (3, "median", "individual")],
+    ("world", "reference", "detect_on", "wire"),
+    [
+        (2, "median", "relative", False),
+        (5, "median", "relative", False),
+        (4, "fastest", "relative", False),
+        (3, "median", "individual", False),
+        (3, "median", "relative", True),
+        (5, "median", "relative", True),
+    ],
 )
-def test_calm_samples_scored_at_once_leave_the_same_state_as_one_by_one(world: int, reference: str, detect_on: str):
+def test_calm_samples_scored_at_once_leave_the_same_state_as_one_by_one(
+    world: int, reference: str, detect_on: str, wire: bool
+):
     config = dataclasses.replace(StragglerConfig(), reference=reference, detect_on=detect_on)
     spikes = {(world - 1, 60): 3.0, (0, 61): 2.5}  # noise the test must not take for a straggler
     cost = lambda: jitter_cost(7, slow_rank=world - 1, factor=1.5, onset=220, spikes=spikes)  # noqa: E731
-    one_by_one, untouched = _run(world, config, cost(), calm=False)
-    at_once, taken = _run(world, config, cost(), calm=True)
+    one_by_one, untouched = _run(world, config, cost(), calm=False, wire=wire)
+    at_once, taken = _run(world, config, cost(), calm=True, wire=wire)
     assert untouched == 0
     samples = STEPS - config.warmup_steps
     assert taken > samples * world // 2, f"only {taken} of {samples * world} samples went the calm way"
