@@ -227,3 +227,32 @@ def test_a_decision_taken_while_the_next_exchange_is_scored_is_logged_and_posted
     assert posted and posted[0].event is Event.STRAGGLER and "rank 1" in posted[0].detail
     assert 30 < posted[0].step <= 60
     assert callback.last_metrics["resilience/straggler/compute/slowest_rank"] == 1
+
+
+class RecordParts(Callback):
+    """After StragglerDetection's fit start: notes every part of the step its detector is asked to time."""
+
+    def __init__(self) -> None:
+        self.parts: set[str] = set()
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        cb = next(c for c in trainer.callbacks if isinstance(c, StragglerDetection))  # type: ignore[attr-defined]
+        det = cb.detector
+        assert det is not None
+        begin = det.begin
+
+        def noted(name: str) -> None:
+            self.parts.add(name)
+            begin(name)
+
+        det.begin = noted  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(("sections", "timed"), [(None, set()), (["compute", "backward"], {"backward"})])
+def test_only_the_tested_parts_of_the_step_are_timed(sections: list[str] | None, timed: set[str]) -> None:
+    _NOW[0] = 0.0
+    cb = StragglerDetection(StragglerConfig(warmup_steps=2, sections=sections), clock=fake_clock)
+    parts = RecordParts()
+    _trainer([cb, parts], max_steps=12).fit(SlowingModel(onset=10**9, factor=1.0))
+    assert parts.parts == timed  # forward, backward and optimizer only where tested: the others are never sent
+    assert cb.detector is not None and cb.detector.gathers == 1

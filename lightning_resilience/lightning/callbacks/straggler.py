@@ -97,6 +97,8 @@ class StragglerDetection(Callback):
         self.spent_s = 0.0
         """The detector's step ends on the training thread this fit (seconds): what the cost budget counts."""
         self._previous: list[dict[str, Any]] = []  # decisions of earlier runs of this job (from a checkpoint)
+        self._parts: frozenset[str] = frozenset()
+        """The parts of the step the hooks time: only those tested (an untested part would be timed and never sent)."""
 
     def __getstate__(self) -> dict[str, Any]:
         # spawn launchers pickle callbacks: the detector (process group, profiler) is per process, rebuilt in setup
@@ -152,6 +154,7 @@ class StragglerDetection(Callback):
             self.detector = StragglerDetector.with_tree(self.config, channels.agreement, clock=self.clock)
         else:
             self.detector = StragglerDetector(self.config, clock=self.clock)
+        self._parts = frozenset(self.detector.sections) & {FORWARD, BACKWARD, OPTIMIZER}
         driver = self._suite.the_driver()
         driver.add_finisher(self)
         driver.add_bookkeeper(self)
@@ -183,25 +186,33 @@ class StragglerDetection(Callback):
         if self.detector is None:
             return
         self.detector.start_step()
-        self.detector.begin(FORWARD)
+        if FORWARD in self._parts:
+            self.detector.begin(FORWARD)
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
         if self.detector is not None:
-            self.detector.end(FORWARD)
-            self.detector.begin(BACKWARD)
+            self._move(FORWARD, BACKWARD)
             self.detector.arm_backward(loss)
 
     @override
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.detector is not None:
             self.detector.backward_done()
-            self.detector.end(BACKWARD)
+            self._move(BACKWARD, None)
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        if self.detector is not None:
+        if self.detector is not None and OPTIMIZER in self._parts:
             self.detector.begin(OPTIMIZER)
+
+    def _move(self, ended: str, begun: str | None) -> None:
+        """Close a tested part of the step and open the next one (untested parts are not timed)."""
+        assert self.detector is not None
+        if ended in self._parts:
+            self.detector.end(ended)
+        if begun in self._parts:
+            self.detector.begin(begun)
 
     def finish_step(self, step: int) -> None:
         """The step driver's first phase: the step's timings close; an exchange is issued or taken (rank 0 scores
@@ -209,7 +220,8 @@ class StragglerDetection(Callback):
         detector, trainer = self.detector, self._trainer
         if detector is None or self._suite is None or trainer is None:
             return
-        detector.end(FORWARD)  # manual optimization calls none of the hooks in between: the batch is all forward
+        if FORWARD in self._parts:  # manual optimization calls none of the hooks in between: the batch is all forward
+            detector.end(FORWARD)
         started = time.perf_counter()
         decisions = detector.end_step(step)
         self.spent_s += time.perf_counter() - started  # the detector's step end: what the cost budget counts
