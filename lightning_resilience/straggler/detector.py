@@ -355,11 +355,10 @@ class StragglerDetector:
         missing = np.full(self.world_size, np.nan)
         names = [*self._payload_sections, *([KERNELS] if KERNELS in self.sections else [])]
         decisions: list[Escalation] = []
-        samples = table.times.shape[1]
-        steps = [int(table.steps[j]) if j < len(table.steps) else step for j in range(samples)]
-        j = 0
-        while j < samples:  # calm samples several at a time (the same state); one at a time the others
-            if not (calm := self._score_calm(steps[j:], table.block(j, self.sections), table.block(j, _KEPT))):
+        steps = [int(table.steps[j]) if j < len(table.steps) else step for j in range(table.times.shape[1])]
+        j, calm = 0, 1
+        while j < len(steps):  # calm samples several at a time (the same state); from the first that is not, one by one
+            if not (calm := calm and self.scoreboard.calm and self._score_calm(steps[j:], table, j)):
                 column = {n: c if (c := table.column(j, n)) is not None else missing for n in names}
                 decisions += self._score(steps[j], column)
             j += calm or 1
@@ -367,8 +366,9 @@ class StragglerDetector:
         self.episodes.act(decisions)
         return decisions
 
-    def _score_calm(self, steps: list[int], times: np.ndarray | None, kept: np.ndarray | None) -> int:
+    def _score_calm(self, steps: list[int], table: Table, start: int) -> int:
         """The leading samples the scoreboard takes at once (:meth:`Scoreboard.update_calm`), kept in the history."""
+        times, kept = table.block(start, self.sections), table.block(start, _KEPT)
         if times is None or kept is None:
             return 0
         work = kept[:, 1] + np.where(np.isnan(kept[:, 2]), 0.0, kept[:, 2])  # compute + data wait, as in _score

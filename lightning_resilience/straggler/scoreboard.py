@@ -121,6 +121,11 @@ class Scoreboard:
         self.rel_max = np.fmax(self.rel_max, self.relative)
         return events
 
+    @property
+    def calm(self) -> bool:
+        """No series is in an episode: :meth:`update_calm` may take samples."""
+        return not self.cusum.flagged.any()
+
     def update_calm(self, steps: Sequence[int], times: np.ndarray, work: np.ndarray) -> int:
         """Score the leading samples of ``steps`` at once while the job is calm: ``times[t, s, r]`` and ``work[t, r]``
         as :meth:`update` takes them, one sample a row. Calm: every value measured, no series in an episode and
@@ -129,9 +134,11 @@ class Scoreboard:
         not calm (the caller scores them one by one, which sees what happens)."""
         s, w = len(self.sections), self.world_size
         count = min(len(steps), self.cusum.until_refresh, self.baseline.until_refresh)
-        # in float64 before any arithmetic, as update's functions take them (an exchange's timings are float32)
+        if not (count and self.calm and w >= 2 and KERNELS not in self.sections):
+            return 0
+        # in float64 before any arithmetic, as update's functions convert them (a caller's may be float32)
         times, work = np.asarray(times[:count], np.float64), np.asarray(work[:count], np.float64)
-        if not count or w < 2 or KERNELS in self.sections or not ((times >= 0).all() and (work > 0).all()):
+        if not ((times >= 0).all() and (work > 0).all()):
             return 0  # NaN compares False: a value not measured is scored one by one
         best = self.baseline.best
         best_work = best[s * w :]
