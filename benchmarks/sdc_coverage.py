@@ -287,6 +287,7 @@ def _rank(
     plain_model.train()
     plain_ddp = DistributedDataParallel(plain_model)
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    floor = _Floor(cfg, init, rank)
     batches = _batches(kw, rank, max(2 * w, BATCH_POOL), batch_size)
     monitor = SDCMonitor(list(model.named_parameters()), [], cfg)
     monitor.setup()
@@ -418,15 +419,18 @@ def _rank(
     for i in range(warm):
         step(i)
         plain_step(i)
-    times: dict[str, list[float]] = {"plain": [], "checked": []}
+        floor.step(i, batches[i % len(batches)])
+    times: dict[str, list[float]] = {"plain": [], "checked": [], "floor": []}
     stats0 = copy.copy(monitor.stats)  # what the checked windows spend, by part (wall time on this rank)
     fired0 = dict(monitor.stats.guard_fired)
     phases0 = dict(state["driver"].stats.seconds)
     i = warm
     for r in range(overhead_rounds):
-        for kind in ("checked", "plain") if r % 2 == 0 else ("plain", "checked"):
+        for kind in ("checked", "plain", "floor") if r % 2 == 0 else ("floor", "plain", "checked"):
             for k in range(ow):
-                times[kind].append(step(i + k) if kind == "checked" else plain_step(i + k))
+                b = batches[(i + k) % len(batches)]
+                t = step(i + k) if kind == "checked" else plain_step(i + k) if kind == "plain" else floor.step(i + k, b)
+                times[kind].append(t)
         i += ow
     agreement.close()
     cpu_s = time.process_time()  # this rank's CPU, all its threads: the benchmark's own load, not a neighbour's
@@ -445,6 +449,57 @@ def _rank(
     return {"results": results if rank == 0 else [], "times": times, "window": ow, "events": reference["events"],
             "parts_ms_per_step": parts, "driver_phases_ms_per_step": driver_ms, "rounds": rounds,
             "cpu_s": cpu_s}  # fmt: skip
+
+
+class _Floor:
+    """The physical floor of a preset's checks: a replica of its own stepping as the plain arm does, plus the same
+    local arithmetic at the preset's cadences (this rank's turn at the gradient norm, the parameter norm, the digest of
+    the parameters and the optimizer state, and a replay's forward, backward and gradient digest, one a round), with
+    none of the monitor's bookkeeping, no agreement and no collective."""
+
+    def __init__(self, cfg: Any, init: dict[str, torch.Tensor], rank: int) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        from lightning_resilience.sdc.fingerprint import BitwiseDigest
+        from lightning_resilience.sdc.reconcile import ReplicaReconciler
+        from recipes._gpt import TinyGPT
+
+        self.cfg, self.rank = cfg, rank
+        self.model = TinyGPT(**_model_kwargs())
+        self.model.load_state_dict(init)
+        self.model.train()
+        self.ddp = DistributedDataParallel(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.params = list(self.model.parameters())
+        self.digest = BitwiseDigest()
+        self.state = ReplicaReconciler(list(self.model.named_parameters()), [self.opt], self.digest)
+        world = torch.distributed.get_world_size()
+        self.stride = min(world, cfg.guard_grad_norm_stride)  # replicated gradients: the ranks take turns
+
+    def step(self, i: int, batch: torch.Tensor) -> float:
+        from lightning_resilience.sdc.fingerprint import digest_all
+        from lightning_resilience.sdc.guards import grad_norm, param_norm
+
+        cfg = self.cfg
+
+        def due(every: int) -> bool:
+            return every > 0 and (i + 1) % every == 0
+
+        t0 = pc()
+        if due(cfg.replay_every_n_steps):  # the recompute of a replay: this rank's batch again, its gradients digested
+            _loss(self.model, batch).backward()
+            digest_all(self.digest, [p.grad for p in self.params])
+            self.opt.zero_grad(set_to_none=True)
+        _loss(self.ddp, batch).backward()
+        if cfg.guards and due(cfg.param_norm_every_n_steps):
+            param_norm(self.params)
+        if cfg.guards and i % self.stride == self.rank % self.stride:
+            grad_norm(self.params)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if due(cfg.reconcile_every_n_steps):
+            self.state.local()
+        return pc() - t0
 
 
 def _classify(trial: dict[str, Any], res: dict[str, Any]) -> str:
@@ -611,11 +666,15 @@ def _overhead(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     pairs = [statistics.fmean(checked[i : i + ow]) / statistics.fmean(plain[i : i + ow]) - 1.0
              for i in range(0, min(len(plain), len(checked)) - ow + 1, ow)]  # fmt: skip
     interval = mean_interval(pairs)
+    floor = per_rank[0]["times"]["floor"]
     return {
         "ranks": len(per_rank),
         "plain_step_mean_s": statistics.fmean(plain),
         "checked_step_mean_s": statistics.fmean(checked),
         **slowdowns(checked, plain),
+        "floor_step_mean_s": statistics.fmean(floor),
+        "floor_slowdown_mean": statistics.fmean(floor) / statistics.fmean(plain) - 1.0,
+        "beyond_floor_mean": statistics.fmean(checked) / statistics.fmean(floor) - 1.0,
         "steps_each": len(plain),
         "window_steps": ow,
         "per_pair": pairs,
@@ -624,7 +683,7 @@ def _overhead(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "parts_ms_per_step": per_rank[0]["parts_ms_per_step"],
         "driver_phases_ms_per_step": [r["driver_phases_ms_per_step"] for r in per_rank],
         "rounds": per_rank[0]["rounds"],
-        "samples_s": {"plain": plain, "checked": checked},
+        "samples_s": {"plain": plain, "checked": checked, "floor": floor},
     }
 
 
@@ -707,7 +766,8 @@ def render_markdown(result: dict[str, Any]) -> str:
                 f"({p[key]['steps_each']} steps each, "
                 f"interleaved windows of {p[key].get('window_steps', p['window_steps'])}): mean "
                 f"{fmt_pct(p[key]['slowdown_mean'])}{_pair_interval(p[key])}, median "
-                f"{fmt_pct(p[key]['slowdown_median'])}, p99 {fmt_pct(p[key]['slowdown_p99'])}.{_parts(p[key])}\n"
+                f"{fmt_pct(p[key]['slowdown_median'])}, p99 {fmt_pct(p[key]['slowdown_p99'])}.{_floor(p[key])}"
+                f"{_parts(p[key])}\n"
                 for key, _ in _OVERHEADS
                 if key in p
             ),
@@ -738,6 +798,18 @@ def render_markdown(result: dict[str, Any]) -> str:
         *(f"* {n}" for n in result["notes"]),
     ]
     return "\n".join(lines)
+
+
+def _floor(o: dict[str, Any]) -> str:
+    """The arm of the bare checks, in the same interleaved run (results from before it was measured have none)."""
+    if "floor_slowdown_mean" not in o:
+        return ""
+    return (
+        f" The physical floor (a third arm in the same windows: the same local arithmetic at the same cadences, the "
+        f"gradient and parameter norms, the state's digest and a replay's forward and backward, with no bookkeeping, "
+        f"agreement or collective) costs {fmt_pct(o['floor_slowdown_mean'])}; the monitored arm is "
+        f"{fmt_pct(o['beyond_floor_mean'])} above it."
+    )
 
 
 def _parts(o: dict[str, Any]) -> str:
@@ -788,6 +860,8 @@ def readme_summary(result: dict[str, Any]) -> str:
                     + (f"{fmt_pct(large['slowdown_mean'])} with {large['tokens_per_step']} tokens a step per rank "
                        f"instead of {own.get('tokens_per_step', 256)}; " if large else "")
                     + f"{fmt_pct(o['slowdown_mean'])} with {WORLD} ranks on 2 cores)")  # fmt: skip
+            if "floor_slowdown_mean" in own:
+                cost += f", against a floor of {fmt_pct(own['floor_slowdown_mean'])} for the bare checks"
         parts.append(f"`resilience={name}` names the rank for {got} at {cost}")
     return "**SDC** (faults by kind on 3 DDP ranks, at the presets' cadence): " + "; ".join(parts) + "."
 

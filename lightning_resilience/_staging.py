@@ -3,7 +3,8 @@
 On a GPU the CPU queues work ahead of the device; ``float(t)`` or ``t.item()`` on a device tensor makes it wait until
 the device has caught up. :class:`HostStage` instead queues a non-blocking copy of a few scalars into pinned host
 memory and records an event; :meth:`HostStage.ready` hands back the values whose copy has landed, without waiting.
-On the CPU the copy is immediate and every value is ready at once.
+On the CPU nothing needs to wait: each value is read at once (a read of a CPU scalar costs less than stacking the
+values and copying the stack), and every reading is ready at once.
 """
 
 from __future__ import annotations
@@ -14,7 +15,22 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["HostStage", "to_host"]
+__all__ = ["READ_AT_ONCE", "HostStage", "to_host"]
+
+READ_AT_ONCE = frozenset({"cpu"})
+"""Device types whose values :meth:`HostStage.put` reads at once (their memory is the host's)."""
+
+
+@dataclass
+class _Read:
+    """A reading of host values, taken when it was put (nothing to wait for)."""
+
+    key: Hashable
+    values: list[float]
+    event: None = None
+
+    def take(self) -> list[float]:
+        return self.values
 
 
 @dataclass
@@ -26,6 +42,11 @@ class _Staged:
     event: torch.cuda.Event | None
     pool: list[tuple[torch.Tensor, torch.Tensor]]
     """Where the two buffers go back once the reading is taken."""
+
+    def take(self) -> list[float]:
+        """The values (the copy has landed); the buffers go back to the pool."""
+        self.pool.append((self.gathered, self.host))
+        return self.host.tolist()
 
 
 class HostStage:
@@ -40,7 +61,7 @@ class HostStage:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.max_pending = max_pending
-        self._pending: deque[_Staged] = deque()
+        self._pending: deque[_Staged | _Read] = deque()
         self._free: dict[tuple[torch.device, torch.dtype, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.forced_reads = 0
         """Readings that had to be waited for because ``max_pending`` were in flight."""
@@ -51,8 +72,13 @@ class HostStage:
     def put(self, key: Hashable, values: Sequence[torch.Tensor], dtype: torch.dtype = torch.float64) -> None:
         """Queue a copy of ``values`` (0-d tensors on one device), as ``dtype``, to the host; nothing waits. Two
         operations a reading, paid on the training thread: the values are stacked into a buffer on their device, which
-        is copied into a host buffer (pinned on a GPU); both are reused once the reading is taken."""
+        is copied into a host buffer (pinned on a GPU); both are reused once the reading is taken. Values on the CPU
+        are read at once, converted to ``dtype`` (a float or an integer)."""
         device = values[0].device
+        if device.type in READ_AT_ONCE:
+            cast = float if dtype.is_floating_point else int
+            self._pending.append(_Read(key, [cast(v) for v in values]))
+            return
         pool = self._free.setdefault((device, dtype, len(values)), [])
         if pool:
             gathered, host = pool.pop()
@@ -68,10 +94,6 @@ class HostStage:
             event.record()
         self._pending.append(_Staged(key, gathered, host, event, pool))
 
-    def _taken(self, staged: _Staged) -> list[float]:
-        staged.pool.append((staged.gathered, staged.host))
-        return staged.host.tolist()
-
     def ready(self) -> list[tuple[Hashable, list[float]]]:
         """The readings whose copy has landed, oldest first, removed from the queue (never waits, except for the
         oldest readings beyond ``max_pending``)."""
@@ -84,7 +106,7 @@ class HostStage:
                 head.event.synchronize()
                 self.forced_reads += 1
             self._pending.popleft()
-            out.append((head.key, self._taken(head)))
+            out.append((head.key, head.take()))
         return out
 
     def drain(self) -> list[tuple[Hashable, list[float]]]:
@@ -92,7 +114,7 @@ class HostStage:
         for staged in self._pending:
             if staged.event is not None:
                 staged.event.synchronize()
-        out = [(s.key, self._taken(s)) for s in self._pending]
+        out = [(s.key, s.take()) for s in self._pending]
         self._pending.clear()
         return out
 

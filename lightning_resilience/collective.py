@@ -113,8 +113,6 @@ class SideGroup:
     def view(self, name: str, timeout: timedelta) -> SideGroup:
         """The same gloo group under another name and timeout (not collective): components that agree on the same
         thread share one group; a failure seen through any view breaks them all (the group underneath is unusable)."""
-        if timeout <= timedelta(0):
-            raise ValueError(f"{name}: collective timeout must be > 0, got {timeout}")
         other = SideGroup(name, timeout, local=True, transport=self.transport)
         other.rank, other.world_size, other._link = self.rank, self.world_size, self._link
         return other
@@ -130,9 +128,7 @@ class SideGroup:
         self._link.broken = error
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_link"] = _Link()  # a process group belongs to the process that made it
-        return state
+        return {**self.__dict__, "_link": _Link()}  # a process group belongs to the process that made it
 
     def __repr__(self) -> str:
         return f"SideGroup({self.name!r}, rank={self.rank}, world_size={self.world_size}, timeout={self.timeout})"
@@ -148,10 +144,7 @@ class SideGroup:
         if self._link.tcp is not None:
             self._link.tcp.close()
 
-    @property
-    def broken(self) -> bool:
-        """True once an agreement failed: every later call raises at once."""
-        return self._broken is not None
+    broken = property(lambda self: self._broken is not None, doc="True once an agreement failed: later calls raise.")
 
     def global_rank(self, rank: int) -> int:
         """The default-group rank of group rank ``rank`` (for point-to-point transfers)."""
@@ -329,9 +322,12 @@ class SideGroup:
             return [], []
         timeout = self._bound(op, deadline)
         links = self._link.tcp
-        if links is not None:
-            with self._guard(op, timeout):
-                return links.swap(sends, recvs, time.monotonic() + timeout.total_seconds()), []
+        if links is not None:  # every step's round: guarded without a generator (its cost showed, each round)
+            start = time.monotonic()
+            try:
+                return links.swap(sends, recvs, start + timeout.total_seconds()), []
+            except OSError as err:  # all the links raise
+                raise self._failure(op, timeout, start, err) from err
         with self._guard(op, timeout):
             sent = [dist.isend(_as_tensor(data), self.global_rank(r), group=self._group) for r, data in sends]
             bufs = [torch.empty(n, dtype=torch.uint8) for _, n in recvs]
@@ -381,23 +377,27 @@ class SideGroup:
         except CollectiveError:
             raise
         except (RuntimeError, OSError) as err:  # gloo: "Operation timed out!", "Connection closed by peer"; tcp links
-            text = str(err).lower()
-            timed_out = isinstance(err, TimeoutError) or "timed out" in text or "timeout" in text
-            what = (
-                f"no answer within {timeout.total_seconds():g}s"
-                if timed_out
-                else f"a peer failed after {time.monotonic() - start:.1f}s ({type(err).__name__}: "
-                f"{str(err).splitlines()[0][:200]})"
-            )
-            failure = (CollectiveTimeoutError if timed_out else CollectiveError)(
-                f"side group {self.name!r}, rank {self.rank}: {op} failed: {what}; a rank is hung, gone or took "
-                "another path. The job should stop so the launcher can restart it.",
-                op=op,
-                group=self.name,
-            )
-            self._broken = failure
-            log.error("%s", failure)
-            raise failure from err
+            raise self._failure(op, timeout, start, err) from err
+
+    def _failure(self, op: str, timeout: timedelta, start: float, err: BaseException) -> CollectiveError:
+        """The group is broken by ``err`` (raised by an exchange that began at ``start``): the error to raise."""
+        text = str(err).lower()
+        timed_out = isinstance(err, TimeoutError) or "timed out" in text or "timeout" in text
+        what = (
+            f"no answer within {timeout.total_seconds():g}s"
+            if timed_out
+            else f"a peer failed after {time.monotonic() - start:.1f}s ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:200]})"
+        )
+        failure = (CollectiveTimeoutError if timed_out else CollectiveError)(
+            f"side group {self.name!r}, rank {self.rank}: {op} failed: {what}; a rank is hung, gone or took "
+            "another path. The job should stop so the launcher can restart it.",
+            op=op,
+            group=self.name,
+        )
+        self._broken = failure
+        log.error("%s", failure)
+        return failure
 
 
 class _Link:

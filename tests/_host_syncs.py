@@ -245,6 +245,10 @@ class HostSyncCounter(Callback):
 
         self._patch(dist.GradBucket, "buffer", device_result)
         self._patch(dist.GradBucket, "gradients", device_result)
+        # on a GPU a staged reading is a non-blocking copy: the CPU run takes the same path, not the host's shortcut
+        from lightning_resilience import _staging
+
+        self._patch(_staging, "READ_AT_ONCE", lambda f: frozenset())
         self._patch(torch.cuda, "synchronize", lambda f: synced(f, "torch.cuda.synchronize"))
         self._patch(torch.cuda.Event, "synchronize", lambda f: synced(f, "Event.synchronize"))
         self._patch(torch.cuda.Stream, "synchronize", lambda f: synced(f, "Stream.synchronize"))

@@ -134,6 +134,42 @@ def test_a_peer_that_never_connects_is_a_timeout_and_one_that_closes_an_error() 
     parent.close()
 
 
+class _Trickle:
+    """A socket whose reads return at most 3 bytes."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def settimeout(self, value: float) -> None:
+        self.sock.settimeout(value)
+
+    def recv_into(self, buf: Any) -> int:
+        return self.sock.recv_into(memoryview(buf)[:3])
+
+
+def test_a_swap_is_bounded_reads_a_message_that_comes_in_parts_and_fails_typed() -> None:
+    """The step round's exchange: a message that arrives in parts is read whole, a silent peer is a timeout by the
+    deadline, a peer that goes is a connection error; both as the other calls name them."""
+    store = dist.HashStore()
+    low, high = TcpLinks(store, "g/3", 0, host="127.0.0.1"), TcpLinks(store, "g/3", 1, host="127.0.0.1")
+    sender = threading.Thread(target=lambda: high.send(0, b"12345678", _end()))  # connects: waits for the accept
+    sender.start()
+    low._peer(1, _end())
+    sender.join(10)
+    low._peers[1] = _Trickle(low._peers[1])  # type: ignore[assignment]  # the kernel hands it over 3 bytes at a time
+    assert low.swap([], [(1, 8)], _end()) == [b"12345678"]
+    low._peers[1] = low._peers[1].sock  # type: ignore[attr-defined]
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="no message from rank 1: timed out"):
+        low.swap([(1, b"x" * 8)], [(1, 8)], _end(0.3))
+    assert time.monotonic() - start < 5
+    assert high.recv(0, 8, _end()) == b"x" * 8
+    high.close()
+    with pytest.raises(ConnectionError, match="closed its link"):
+        low.swap([], [(1, 8)], _end())
+    low.close()
+
+
 def test_the_published_address_can_be_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(HOST_ENV, "10.1.2.3")
     assert link_host() == "10.1.2.3"

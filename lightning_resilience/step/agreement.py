@@ -341,7 +341,8 @@ class TreeAgreement:
         The vector travels as packed int64 (no tensor: on this thread, beside a computing step, a tensor per
         message cost more CPU than the exchange itself)."""
         deadline = Deadline(self.timeout)
-        self._settle_sends(deadline)
+        if self._sent:
+            self._settle_sends(deadline)
         fmt = _vector(len(values))
         swap = partial(self.group.swap, op=pending.op, step=pending.step, deadline=deadline)
         if self.children:

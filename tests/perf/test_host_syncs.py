@@ -88,3 +88,27 @@ def test_counter_sees_our_reads_and_not_the_users() -> None:
     assert {s: len(r) for s, r in counter.reads.items()} == {1: 1}
     assert "to_host" in counter.reads[1][0]
     assert counter.counts[0]["staged"] == 1
+
+
+def test_host_values_are_read_at_once_as_the_staged_copy_would() -> None:
+    """On the CPU a reading is taken when it is put (no stack, no copy): the same numbers the staged copy gives,
+    converted to its dtype, and ready at once, oldest first."""
+    from lightning_resilience import _staging
+
+    values = [torch.tensor(0.1, dtype=torch.float32), torch.tensor(3.5, dtype=torch.bfloat16), torch.tensor(7)]
+    counts = [torch.tensor(2**40 + 3, dtype=torch.int64), torch.tensor(-5, dtype=torch.int32)]
+    quick, staged = HostStage(), HostStage()
+    quick.put("a", values)
+    quick.put("b", counts, dtype=torch.int64)
+    assert len(quick) == 2
+    original = _staging.READ_AT_ONCE
+    _staging.READ_AT_ONCE = frozenset()
+    try:
+        staged.put("a", values)
+        staged.put("b", counts, dtype=torch.int64)
+    finally:
+        _staging.READ_AT_ONCE = original
+    got, expected = quick.ready(), staged.ready()
+    assert got == expected == [("a", [0.10000000149011612, 3.5, 7.0]), ("b", [2**40 + 3, -5])]
+    assert [[type(v) for v in vs] for _, vs in got] == [[type(v) for v in vs] for _, vs in expected]
+    assert [type(v) for v in got[1][1]] == [int, int] and len(quick) == 0

@@ -56,6 +56,9 @@ def test_digests_of_many_tensors_together_are_each_tensors_own(
             tensors.append((torch.randn(n, generator=g) * 1e6).to(dtype))
     tensors += [torch.randn(300, generator=g) > 0, torch.complex(torch.randn(300), torch.randn(300))]
     tensors.append(torch.randint(-(2**62), 2**62, (3000,), generator=g))  # the sums wrap around
+    # 4-byte elements at the ends of their range: the widest row sums a batch of narrow elements can hold
+    tensors += [torch.full((1024,), -(2**31), dtype=torch.int32), torch.full((700,), 2**31 - 1, dtype=torch.int32)]
+    tensors.append(torch.randint(-(2**31), 2**31, (3000,), dtype=torch.int32, generator=g))
     order = torch.randperm(len(tensors), generator=g).tolist()
     tensors = [tensors[i] for i in order]
     d = BitwiseDigest()
