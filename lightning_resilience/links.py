@@ -212,10 +212,8 @@ class TcpLinks:
         sock.settimeout(max(end - time.monotonic(), 1e-3))
         try:
             sock.sendall(data)
-        except TimeoutError as err:
-            raise TimeoutError(f"links {self.prefix!r}: sending to rank {peer} timed out") from err
         except OSError as err:
-            raise ConnectionError(f"links {self.prefix!r}: rank {peer} is gone ({err})") from err
+            raise _failed(f"links {self.prefix!r}: sending to", peer, err) from err
 
     def recv(self, peer: int, n: int, end: float) -> bytes:
         """``n`` bytes from ``peer`` by ``end`` (monotonic)."""
@@ -289,7 +287,7 @@ class TcpLinks:
 
 
 def _failed(what: str, who: int, err: OSError) -> OSError:
-    """A timed-out or failed exchange with rank ``who``, as :meth:`TcpLinks.send` and :func:`_recv_into` name it."""
+    """The error of a timed-out or failed exchange with rank ``who`` (``what`` names the side: sending, receiving)."""
     if isinstance(err, TimeoutError):
         return TimeoutError(f"{what} rank {who}: timed out")
     return ConnectionError(f"rank {who} is gone ({err})")
@@ -301,10 +299,8 @@ def _recv_into(sock: socket.socket, buf: memoryview, end: float, *, who: int) ->
         sock.settimeout(max(end - time.monotonic(), 1e-3))
         try:
             n = sock.recv_into(buf[got:])
-        except TimeoutError as err:
-            raise TimeoutError(f"no message from rank {who}: timed out") from err
         except OSError as err:
-            raise ConnectionError(f"rank {who} is gone ({err})") from err
+            raise _failed("no message from", who, err) from err
         if n == 0:
             raise ConnectionError(f"rank {who} closed its link (connection closed by peer)")
         got += n
