@@ -342,6 +342,11 @@ def _rank(
         plain_opt.zero_grad(set_to_none=True)
         return pc() - t0
 
+    def arm_step(kind: str, i: int) -> float:
+        if kind == "checked":
+            return step(i)
+        return plain_step(i) if kind == "plain" else floor.step(i, batches[i % len(batches)])
+
     def reset() -> None:
         nonlocal opt
         with torch.no_grad():
@@ -416,21 +421,25 @@ def _rank(
     ow = overhead_window
     warm = w if scale is not None else max(w, OVERHEAD_WARM_STEPS)
     reset()
-    for i in range(warm):
-        step(i)
-        plain_step(i)
-        floor.step(i, batches[i % len(batches)])
     times: dict[str, list[float]] = {"plain": [], "checked": [], "floor": []}
+    # each arm draws its dropout from an RNG state of its own: the monitored arm's trajectory (and so how often its
+    # guards fire) does not depend on the other arms' steps between its own
+    rng = {kind: torch.get_rng_state() for kind in times}
+    for kind in times:
+        torch.set_rng_state(rng[kind])
+        for i in range(warm):
+            arm_step(kind, i)
+        rng[kind] = torch.get_rng_state()
     stats0 = copy.copy(monitor.stats)  # what the checked windows spend, by part (wall time on this rank)
     fired0 = dict(monitor.stats.guard_fired)
     phases0 = dict(state["driver"].stats.seconds)
     i = warm
     for r in range(overhead_rounds):
         for kind in ("checked", "plain", "floor") if r % 2 == 0 else ("floor", "plain", "checked"):
+            torch.set_rng_state(rng[kind])
             for k in range(ow):
-                b = batches[(i + k) % len(batches)]
-                t = step(i + k) if kind == "checked" else plain_step(i + k) if kind == "plain" else floor.step(i + k, b)
-                times[kind].append(t)
+                times[kind].append(arm_step(kind, i + k))
+            rng[kind] = torch.get_rng_state()
         i += ow
     agreement.close()
     cpu_s = time.process_time()  # this rank's CPU, all its threads: the benchmark's own load, not a neighbour's
