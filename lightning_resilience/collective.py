@@ -22,13 +22,12 @@ Tests and drills inject faults with :func:`set_fault_hook` (see :mod:`lightning_
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pickle
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -172,11 +171,11 @@ class SideGroup:
         timeout = self._bound(op, deadline)
         if any_type:
             gathered: list[Any] = [None] * self.world_size
-            with self._guard(op, timeout):
+            with _Guard(self, op, timeout):
                 dist.all_gather_object(gathered, obj, group=self._group)
             return gathered
         data = pickle.dumps(obj)
-        with self._guard(op, timeout):
+        with _Guard(self, op, timeout):
             size = torch.tensor([len(data)], dtype=torch.int64)
             sizes = [torch.empty_like(size) for _ in range(self.world_size)]
             dist.all_gather(sizes, size, group=self._group, async_op=True).wait(timeout)
@@ -195,7 +194,7 @@ class SideGroup:
             return [tensor]
         timeout = self._bound(op, deadline)
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        with self._guard(op, timeout):
+        with _Guard(self, op, timeout):
             dist.all_gather(parts, tensor, group=self._group, async_op=True).wait(timeout)
         return parts
 
@@ -238,7 +237,7 @@ class SideGroup:
             return values
         timeout = self._bound(op, deadline)
         t = torch.tensor(values, dtype=torch.int64)
-        with self._guard(op, timeout):
+        with _Guard(self, op, timeout):
             dist.all_reduce(t, op=how, group=self._group, async_op=True).wait(timeout)
         return [int(v) for v in t.tolist()]
 
@@ -264,9 +263,9 @@ class SideGroup:
         timeout = self._bound(op, deadline)
         out: list[bytes | None] = []
         if self._link.tcp is not None:
-            with self._guard(op, timeout):
+            with _Guard(self, op, timeout):
                 return self._link.tcp.exchange(payload, send_to, recv_from, time.monotonic() + timeout.total_seconds())
-        with self._guard(op, timeout):
+        with _Guard(self, op, timeout):
             header = torch.tensor([-1 if payload is None else len(payload)], dtype=torch.int64)
             body = None if not payload else torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             pending = []
@@ -300,7 +299,7 @@ class SideGroup:
         if not self._enter(op, step, p2p=True):
             return [None for _ in recv_from]
         timeout = self._bound(op, deadline)
-        with self._guard(op, timeout):
+        with _Guard(self, op, timeout):
             return links.receive(recv_from, time.monotonic() + timeout.total_seconds())
 
     def swap(
@@ -322,13 +321,10 @@ class SideGroup:
             return [], []
         timeout = self._bound(op, deadline)
         links = self._link.tcp
-        if links is not None:  # every step's round: guarded without a generator (its cost showed, each round)
-            start = time.monotonic()
-            try:
-                return links.swap(sends, recvs, start + timeout.total_seconds()), []
-            except OSError as err:  # all the links raise
-                raise self._failure(op, timeout, start, err) from err
-        with self._guard(op, timeout):
+        if links is not None:
+            with _Guard(self, op, timeout):
+                return links.swap(sends, recvs, time.monotonic() + timeout.total_seconds()), []
+        with _Guard(self, op, timeout):
             sent = [dist.isend(_as_tensor(data), self.global_rank(r), group=self._group) for r, data in sends]
             bufs = [torch.empty(n, dtype=torch.uint8) for _, n in recvs]
             for work in [dist.irecv(b, self.global_rank(r), group=self._group) for (r, _), b in zip(recvs, bufs)]:
@@ -368,36 +364,38 @@ class SideGroup:
             raise err
         return timeout
 
-    @contextlib.contextmanager
-    def _guard(self, op: str, timeout: timedelta) -> Iterator[None]:
-        """Turn what gloo raises into a :class:`CollectiveError` and mark the group broken."""
-        start = time.monotonic()
-        try:
-            yield
-        except CollectiveError:
-            raise
-        except (RuntimeError, OSError) as err:  # gloo: "Operation timed out!", "Connection closed by peer"; tcp links
-            raise self._failure(op, timeout, start, err) from err
 
-    def _failure(self, op: str, timeout: timedelta, start: float, err: BaseException) -> CollectiveError:
-        """The group is broken by ``err`` (raised by an exchange that began at ``start``): the error to raise."""
-        text = str(err).lower()
+class _Guard:
+    """Turns what gloo or a link raises into a :class:`CollectiveError` and marks the group broken. A plain context
+    manager: every step's round enters one, and a generator-based one cost more CPU than the exchange's Python."""
+
+    def __init__(self, group: SideGroup, op: str, timeout: timedelta) -> None:
+        self.group, self.op, self.timeout, self.start = group, op, timeout, time.monotonic()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, err: BaseException | None, trace: Any) -> None:
+        # gloo: "Operation timed out!", "Connection closed by peer"; the tcp links: TimeoutError, ConnectionError
+        if not isinstance(err, (RuntimeError, OSError)) or isinstance(err, CollectiveError):
+            return
+        text, group = str(err).lower(), self.group
         timed_out = isinstance(err, TimeoutError) or "timed out" in text or "timeout" in text
         what = (
-            f"no answer within {timeout.total_seconds():g}s"
+            f"no answer within {self.timeout.total_seconds():g}s"
             if timed_out
-            else f"a peer failed after {time.monotonic() - start:.1f}s ({type(err).__name__}: "
+            else f"a peer failed after {time.monotonic() - self.start:.1f}s ({type(err).__name__}: "
             f"{str(err).splitlines()[0][:200]})"
         )
         failure = (CollectiveTimeoutError if timed_out else CollectiveError)(
-            f"side group {self.name!r}, rank {self.rank}: {op} failed: {what}; a rank is hung, gone or took "
+            f"side group {group.name!r}, rank {group.rank}: {self.op} failed: {what}; a rank is hung, gone or took "
             "another path. The job should stop so the launcher can restart it.",
-            op=op,
-            group=self.name,
+            op=self.op,
+            group=group.name,
         )
-        self._broken = failure
+        group._broken = failure
         log.error("%s", failure)
-        return failure
+        raise failure from err
 
 
 class _Link:

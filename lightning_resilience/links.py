@@ -249,31 +249,10 @@ class TcpLinks:
         return [self._recv_payload(src, end, shared=True) for src in recv_from]
 
     def swap(self, sends: Sequence[tuple[int, bytes]], recvs: Sequence[tuple[int, int]], end: float) -> list[bytes]:
-        """Send each ``(peer, data)``, then receive ``(peer, size)`` bytes from each (sizes both sides know). The step's
-        round: each socket's timeout is set once, and a message that arrives whole is read in one call."""
-        timeout = max(end - time.monotonic(), 1e-3)
+        """Send each ``(peer, data)``, then receive ``(peer, size)`` bytes from each (sizes both sides know)."""
         for peer, data in sends:
-            sock = self._peer(peer, end)
-            sock.settimeout(timeout)
-            try:
-                sock.sendall(data)
-            except OSError as err:
-                raise _failed(f"links {self.prefix!r}: sending to", peer, err) from err
-        out = []
-        for peer, n in recvs:
-            sock = self._peer(peer, end)
-            sock.settimeout(timeout)
-            buf = bytearray(n)
-            try:
-                got = sock.recv_into(buf)
-            except OSError as err:
-                raise _failed("no message from", peer, err) from err
-            if 0 < got < n:
-                _recv_into(sock, memoryview(buf)[got:], end, who=peer)
-            elif got == 0 and n:
-                raise ConnectionError(f"rank {peer} closed its link (connection closed by peer)")
-            out.append(bytes(buf))
-        return out
+            self.send(peer, data, end)
+        return [self.recv(peer, n, end) for peer, n in recvs]
 
     def close(self) -> None:
         """Close every link and the listener (what was sent is still delivered)."""
