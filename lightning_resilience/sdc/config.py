@@ -48,8 +48,9 @@ class SDCConfig:
     guard_quiet_steps: int = 50
     """Steps after a replay found a guard's spike genuine during which the same guard's spikes ask for no replay
     (a training instability spikes for many steps in a row, and the replay just showed the devices reproduce); they
-    are still counted and still reach the policy as spikes, and a non-finite value always acts. 0: every spike asks
-    for a replay."""
+    are still counted and still reach the policy as spikes, and a non-finite value always acts. Likewise after a
+    clean reconciliation that a parameter-norm jump asked for: the next jumps ask for none (the scheduled
+    reconciliations go on). 0: every spike asks for a replay and every jump for a reconciliation."""
     guard_grad_norm_stride: int = 4
     """Under DDP every rank holds the same gradients after the all-reduce, so one rank's gradient norm speaks for the
     job (the step's agreement carries what it finds to every rank): the norm of step ``s`` is computed by the ranks

@@ -25,6 +25,7 @@ from lightning_resilience._staging import HostStage
 __all__ = ["GuardReader", "GuardReport", "Guards", "RobustBaseline", "grad_norm", "param_norm"]
 
 _MAD_TO_SIGMA = 1.4826
+_JUMP = "param_norm_jump"
 
 
 class RobustBaseline:
@@ -87,8 +88,9 @@ class GuardReport:
     replayed: bool = False
     """A replay round verified this step's gradients (read late: a spike then is genuine, not a fault)."""
     quiet: list[str] = field(default_factory=list)
-    """Spikes among ``fired`` that ask for no replay: the same guard's spike was found genuine by a replay at most
-    ``quiet_steps`` steps before (a training instability that spikes many steps in a row)."""
+    """Guards among ``fired`` that ask for no round: the same guard's spike was found genuine by a replay, or a
+    parameter-norm jump by a clean reconciliation, at most ``quiet_steps`` steps before (a training instability that
+    spikes or grows many checks in a row)."""
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -124,8 +126,10 @@ class Guards:
     """Loss, gradient-norm and parameter-norm guards with their baselines.
 
     Call :meth:`check` before the optimizer step, then :meth:`accept` with the report once the step is known good
-    (values of a corrupt step never enter the baselines), and :meth:`genuine` with a report whose spike a replay
-    found genuine: the same guard's spikes of the next ``quiet_steps`` steps are reported ``quiet``.
+    (values of a corrupt step never enter the baselines), :meth:`genuine` with a report whose spike a replay found
+    genuine and :meth:`reconciled` with the step of a clean reconciliation a parameter-norm jump asked for: the same
+    guard's findings of the next ``quiet_steps`` steps are reported ``quiet``. A quiet period never hides a fault for
+    longer than it lasts: the scheduled rounds go on, and a non-finite value is never quiet.
     """
 
     def __init__(self, window: int, min_history: int, threshold: float, quiet_steps: int = 0) -> None:
@@ -136,7 +140,7 @@ class Guards:
 
     def reset(self) -> None:
         """Forget every baseline, count and quiet period (a run that starts over from the same initial state)."""
-        self._genuine: dict[str, int] = {}  # spike guard -> the step of its latest spike a replay found genuine
+        self._genuine: dict[str, int] = {}  # guard -> the step its latest finding was found genuine at
         self.loss = RobustBaseline(self._window, self._min_history)
         self.log_grad_norm = RobustBaseline(self._window, self._min_history)
         self.param_norm_delta = RobustBaseline(self._window, self._min_history, rel_floor=0.0)
@@ -165,7 +169,7 @@ class Guards:
                 # the spread is at least the typical change itself: a steady trend is not a jump
                 z = self.param_norm_delta.zscore(delta, floor=self.param_norm_delta.median_abs())
                 if z is not None and z > self.threshold and abs(delta) > 1e-3 * abs(self._last_param_norm):
-                    report.fired.append("param_norm_jump")
+                    report.fired.append(_JUMP)
         for name in report.fired:
             self.fired[name] = self.fired.get(name, 0) + 1
         report.quiet = [f for f in report.fired if 0 < step - self._genuine.get(f, step) <= self.quiet_steps]
@@ -177,6 +181,12 @@ class Guards:
         for name in report.fired:
             if name.endswith("_spike"):
                 self._genuine[name] = report.step
+
+    def reconciled(self, step: int) -> None:
+        """A reconciliation that a parameter-norm jump asked for found the replicas' state equal at ``step``: the jump
+        was the training's own, and the jumps of the next ``quiet_steps`` steps ask for no reconciliation (the
+        scheduled ones go on)."""
+        self._genuine[_JUMP] = step
 
     def accept(self, report: GuardReport) -> None:
         """Fold a step known to be good into the baselines."""

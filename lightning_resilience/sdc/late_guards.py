@@ -97,7 +97,7 @@ class LateGuards:
                 job = job or any(f not in RANK_GUARDS for f in step_guards)
             elif report.quiet:
                 quiet.append(report)
-            jumped = jumped or any(f in PARAM_GUARDS for f in report.fired)
+            jumped = jumped or any(f in PARAM_GUARDS and f not in report.quiet for f in report.fired)
             if not step_guards:  # a parameter-norm jump is settled by the reconciliation it forces, not here
                 self.guards.accept(report)
         self._reports[step] = reports

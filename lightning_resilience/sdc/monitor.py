@@ -257,7 +257,7 @@ class SDCMonitor:
             report = self._observe_guards()
             assert report is not None
             fired = [f for f in report.fired if f not in PARAM_GUARDS and f not in report.quiet]
-            if any(f in PARAM_GUARDS for f in report.fired):
+            if any(f in PARAM_GUARDS and f not in report.quiet for f in report.fired):
                 self._force_reconcile = True
             self._fired = [report] if fired else []
             self._guard_triggered = self.any_rank(bool(fired))
@@ -304,6 +304,8 @@ class SDCMonitor:
             self._step_checked = True
             if ballot.dissent or not ballot.decided:
                 self.diverged(out, ballot, differing)
+            elif force:  # the jump that asked for it was the training's own
+                self.guards.reconciled(self._step)
             self.stats.reconcile_seconds += self._clock() - start
         if (
             self.reader.lag == 0
@@ -360,9 +362,8 @@ class SDCMonitor:
 
     def diverged(self, out: StepOutcome, ballot: Ballot, differing: list[str]) -> None:
         detail = f"replicas differ in {differing[:4]}"
-        verdict = Diagnosis.DIVERGED
+        verdict = Diagnosis.DIVERGED if ballot.decided else Diagnosis.INCONCLUSIVE
         if not ballot.decided:
-            verdict = Diagnosis.INCONCLUSIVE
             detail += "; no strict majority of three or more equal replicas: no rank is named"
         self.record(out, SDCEvent(out.step, "reconcile", verdict, ballot.suspects, "rollback", detail))
         self.fail(out, ballot.suspects)
@@ -430,8 +431,7 @@ class SDCMonitor:
         and verified steps and the guard values still on their way; events and baselines are kept."""
         self.restored()
         self.dirty, self._force_reconcile, self._late_triggered, self._late_job_guard = False, False, False, False
-        self.late_nonfinite_step = self.late_spike_step = None
-        self._next_fired = []
+        self.late_nonfinite_step, self.late_spike_step, self._next_fired = None, None, []
         self.late.clear()
         self.verified_steps = {s for s in self.verified_steps if s <= step} | {step}
         self.reader.clear()

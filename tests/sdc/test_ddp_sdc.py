@@ -206,28 +206,35 @@ def test_a_batch_of_the_users_own_type_goes_by_the_gather(tmp_path: Path) -> Non
     assert all(r["gathers"] == 1 + 2 * STEPS // 2 and r["neighbours"] == 0 for r in results), results
 
 
-def _guard_fires_at_steps(rank: int, steps: tuple[int, ...], quiet_steps: int) -> dict[str, Any]:
-    """A gradient-norm spike on every rank at each of ``steps`` (an instability that spikes for a while)."""
+def _guard_fires_at_steps(rank: int, guard: str, steps: tuple[int, ...], quiet_steps: int) -> dict[str, Any]:
+    """An instability that goes on for a while, alike on every rank: a gradient-norm spike at each of ``steps``
+    (``guard="grad_norm_spike"``), or a parameter norm that doubles at each of them and stays there
+    (``"param_norm_jump"``). Returns the rounds the guard asks for: replays, or reconciliations."""
     from lightning_resilience.sdc.guards import Guards
 
     check = Guards.check
 
-    def fires(self: Guards, step: int, *args: Any) -> Any:
-        if step in steps:  # far above the baseline: the guard fires (and may be quiet)
-            args = (args[0], 1e6, *args[2:])
-        return check(self, step, *args)
+    def fires(self: Guards, step: int, loss: Any, grad: Any, param: Any = None) -> Any:
+        if guard == "grad_norm_spike" and step in steps:  # far above the baseline: the guard fires (and may be quiet)
+            grad = 1e6
+        if guard == "param_norm_jump" and param is not None:
+            param *= 2 ** sum(step >= s for s in steps)
+        return check(self, step, loss, grad, param)
 
     Guards.check = fires  # type: ignore[method-assign]
     config = SDCConfig(
         replay_every_n_steps=0, reconcile_every_n_steps=0, ddp_fingerprint=False, guard_min_history=2,
         guard_quiet_steps=quiet_steps, guard_grad_norm_stride=1,  # every rank's baseline warm by step 3
+        param_norm_every_n_steps=1 if guard == "param_norm_jump" else 10,
     )  # fmt: skip
     _, _, monitor = train(STEPS, config, rank=rank, ddp=True)
     assert monitor is not None
+    st = monitor.stats
     return {
         "events": [e.to_json() for e in monitor.events],
-        "rounds": monitor.stats.replay_rounds,
-        "fired": monitor.stats.guard_fired.get("grad_norm_spike", 0),
+        "rounds": st.replay_rounds if guard == "grad_norm_spike" else st.reconcile_rounds,
+        "fired": st.guard_fired.get(guard, 0),
+        "verified": sorted(monitor.verified_steps),
     }
 
 
@@ -235,9 +242,20 @@ def _guard_fires_at_steps(rank: int, steps: tuple[int, ...], quiet_steps: int) -
 def test_a_spike_found_genuine_quiets_its_guard(tmp_path: Path, quiet_steps: int, rounds: int) -> None:
     """Gradient-norm spikes at steps 3 and 5: each asks for a replay round, unless the first round found its spike
     genuine less than ``guard_quiet_steps`` before (the second is still counted on every rank)."""
-    results = run_ranks(_guard_fires_at_steps, 2, tmp_path, (3, 5), quiet_steps)
+    results = run_ranks(_guard_fires_at_steps, 2, tmp_path, "grad_norm_spike", (3, 5), quiet_steps)
     assert all(r["rounds"] == rounds and r["fired"] == 2 for r in results), results
     assert _summary(results) == [(5, "anomaly", "none", [])] + ([(7, "anomaly", "none", [])] if rounds == 2 else [])
+
+
+@pytest.mark.parametrize(("quiet_steps", "rounds"), [(0, 2), (50, 1)])
+def test_a_jump_a_reconciliation_found_clean_quiets_its_guard(tmp_path: Path, quiet_steps: int, rounds: int) -> None:
+    """Parameter-norm jumps at steps 3 and 6: each asks for a reconciliation, unless the first one found the replicas
+    equal less than ``guard_quiet_steps`` before (the second is still counted on every rank); nothing is named and
+    nothing rolled back (a young baseline's gradient-norm spike may ask for a replay that finds it genuine)."""
+    results = run_ranks(_guard_fires_at_steps, 2, tmp_path, "param_norm_jump", (3, 6), quiet_steps)
+    assert all(r["rounds"] == rounds and r["fired"] == 2 for r in results), results
+    assert all(e[1:] == ("anomaly", "none", []) for e in _summary(results)), results
+    assert all(5 in r["verified"] for r in results), results
 
 
 def _grad_norm_turns(rank: int, stride: int, flip_at: int | None) -> dict[str, Any]:

@@ -171,6 +171,22 @@ def test_a_spike_found_genuine_quiets_the_same_guard_for_quiet_steps() -> None:
     assert none.check(21, 3.0, 1e3).quiet == []
 
 
+def test_a_jump_a_reconciliation_found_clean_quiets_the_jump_guard_for_quiet_steps() -> None:
+    """After a clean reconciliation at step 20 that a parameter-norm jump asked for, the jumps of steps 21 to 25 ask
+    for none (still reported and counted); a jump past the quiet period or before step 20, a non-finite norm and
+    a gradient-norm spike still ask."""
+    g = Guards(window=32, min_history=8, threshold=8.0, quiet_steps=5)
+    for step in range(20):
+        g.accept(g.check(step, 3.0, 1.0 + 0.01 * (step % 3), 100.0 + 0.01 * step + 0.001 * (step % 2)))
+    assert g.check(20, 3.0, 1.0, 200.0).fired == ["param_norm_jump"]
+    g.reconciled(20)
+    again = g.check(25, 3.0, 1e3, 200.0)
+    assert again.fired == ["grad_norm_spike", "param_norm_jump"] and again.quiet == ["param_norm_jump"]
+    assert g.fired["param_norm_jump"] == 2
+    assert g.check(23, 3.0, 1.0, float("inf")).quiet == []
+    assert g.check(26, 3.0, 1.0, 200.0).quiet == [] and g.check(19, 3.0, 1.0, 200.0).quiet == []
+
+
 def _op(rank: int, kind: str, value: int) -> Opinion:
     return Opinion(rank, kind, torch.tensor([value]))
 
