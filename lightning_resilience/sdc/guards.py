@@ -22,10 +22,12 @@ import torch
 
 from lightning_resilience._staging import HostStage
 
-__all__ = ["GuardReader", "GuardReport", "Guards", "RobustBaseline", "grad_norm", "param_norm"]
+__all__ = ["PARAM_GUARDS", "GuardReader", "GuardReport", "Guards", "RobustBaseline", "grad_norm", "param_norm"]
 
 _MAD_TO_SIGMA = 1.4826
 _JUMP = "param_norm_jump"
+PARAM_GUARDS = (_JUMP, "nonfinite_param")
+"""Guards about stored state: a replay does not cover them, a reconciliation does."""
 
 
 class RobustBaseline:
@@ -91,6 +93,14 @@ class GuardReport:
     """Guards among ``fired`` that ask for no round: the same guard's spike was found genuine by a replay, or a
     parameter-norm jump by a clean reconciliation, at most ``quiet_steps`` steps before (a training instability that
     spikes or grows many checks in a row)."""
+
+    def asks_replay(self) -> list[str]:
+        """The guards that fired on what the step computed (not stored state) and are not quiet."""
+        return [f for f in self.fired if f not in PARAM_GUARDS and f not in self.quiet]
+
+    def asks_reconciliation(self) -> bool:
+        """A guard about stored state fired and is not quiet."""
+        return any(f in PARAM_GUARDS and f not in self.quiet for f in self.fired)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

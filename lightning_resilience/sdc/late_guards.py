@@ -18,10 +18,8 @@ from lightning_resilience.sdc.guards import GuardReader, GuardReport, Guards
 from lightning_resilience.step.agreement import Op
 from lightning_resilience.step.driver import Field
 
-__all__ = ["PARAM_GUARDS", "RANK_GUARDS", "LateFindings", "LateGuards", "count_fired"]
+__all__ = ["RANK_GUARDS", "LateFindings", "LateGuards", "count_fired"]
 
-PARAM_GUARDS = ("param_norm_jump", "nonfinite_param")
-"""Guards about stored state: a replay does not cover them, a reconciliation does."""
 RANK_GUARDS = ("loss_spike", "nonfinite_loss")
 """Guards on what one rank computed alone (its batch's loss): when only these fire, the ranks that saw them are the
 ones whose batches a replay checks. The others (the gradient norm, taken after the all-reduce) speak for the job."""
@@ -87,7 +85,7 @@ class LateGuards:
                 self.guards.accept(report)
                 continue
             count_fired(self.counts, report)
-            step_guards = [f for f in report.fired if f not in PARAM_GUARDS and f not in report.quiet]
+            step_guards = report.asks_replay()
             if report.replayed:  # the replay matched: a spike is genuine, but a non-finite update is applied
                 step_guards = [f for f in step_guards if f.startswith("nonfinite")]
             if step_guards:
@@ -97,7 +95,7 @@ class LateGuards:
                 job = job or any(f not in RANK_GUARDS for f in step_guards)
             elif report.quiet:
                 quiet.append(report)
-            jumped = jumped or any(f in PARAM_GUARDS and f not in report.quiet for f in report.fired)
+            jumped = jumped or report.asks_reconciliation()
             if not step_guards:  # a parameter-norm jump is settled by the reconciliation it forces, not here
                 self.guards.accept(report)
         self._reports[step] = reports

@@ -26,7 +26,7 @@ from lightning_resilience.policy import Event, Verdict
 from lightning_resilience.sdc.config import SDCConfig
 from lightning_resilience.sdc.fingerprint import Digest, make_digest
 from lightning_resilience.sdc.guards import GuardReader, GuardReport, Guards, grad_norm, param_norm
-from lightning_resilience.sdc.late_guards import PARAM_GUARDS, LateGuards, count_fired
+from lightning_resilience.sdc.late_guards import LateGuards, count_fired
 from lightning_resilience.sdc.localize import Ballot
 from lightning_resilience.sdc.reconcile import ReplicaReconciler
 from lightning_resilience.sdc.replay import BucketFingerprintHook, GradientReplayer, RngState, capture_rng
@@ -256,9 +256,8 @@ class SDCMonitor:
             start = self._clock()
             report = self._observe_guards()
             assert report is not None
-            fired = [f for f in report.fired if f not in PARAM_GUARDS and f not in report.quiet]
-            if any(f in PARAM_GUARDS and f not in report.quiet for f in report.fired):
-                self._force_reconcile = True
+            fired = report.asks_replay()
+            self._force_reconcile = self._force_reconcile or report.asks_reconciliation()
             self._fired = [report] if fired else []
             self._guard_triggered = self.any_rank(bool(fired))
             count_fired(self.stats.guard_fired, report)
@@ -362,8 +361,9 @@ class SDCMonitor:
 
     def diverged(self, out: StepOutcome, ballot: Ballot, differing: list[str]) -> None:
         detail = f"replicas differ in {differing[:4]}"
-        verdict = Diagnosis.DIVERGED if ballot.decided else Diagnosis.INCONCLUSIVE
+        verdict = Diagnosis.DIVERGED
         if not ballot.decided:
+            verdict = Diagnosis.INCONCLUSIVE
             detail += "; no strict majority of three or more equal replicas: no rank is named"
         self.record(out, SDCEvent(out.step, "reconcile", verdict, ballot.suspects, "rollback", detail))
         self.fail(out, ballot.suspects)
