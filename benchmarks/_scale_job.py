@@ -7,7 +7,8 @@ rank r writes ``DIR/rank<r>.json``.
 Per fit: the step period (batch start to batch start), the time spent inside the suite's callbacks' hooks on the
 training thread per step (what the suite itself costs the step), the file descriptors of the process at mid-fit, and
 the time from fit start to the first batch. Then, off Lightning: the latency of rounds of the step agreement (a
-16-field vector) and of gathers to rank 0 of payloads of two sizes, for the latency model.
+16-field vector) and of gathers to rank 0 of payloads of two sizes, for the latency model; and of a side group's
+reductions of two integers, along the ranks' tree and by gloo's ring all-reduce, taking turns.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from lightning_resilience.lightning._step_path import StepPath
 from lightning_resilience.lightning.coordination import Suite
 from lightning_resilience.lightning.suite import build_suite, compose_resilience
 from lightning_resilience.step.agreement import Op, TreeAgreement
+from lightning_resilience.step.channels import Channels
 
 HOOKS = (
     "on_train_batch_start",
@@ -239,6 +241,30 @@ def _rounds(kind: str, count: int, size: int) -> list[float]:
     return lat
 
 
+def _side_reductions(count: int) -> dict[str, list[float]]:
+    """Latency of ``count`` reductions of two int64 each way, taking turns: the suite's side group's (a view of the
+    ``suite`` group of :class:`Channels`, carried along the step agreement's tree) and gloo's ring all-reduce on a
+    gloo group of its own (what the side groups did before)."""
+    channels = Channels([timedelta(seconds=120)], timedelta(seconds=120))
+    side = channels.side("bench.side", timedelta(seconds=120))
+    ring = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
+    lat: dict[str, list[float]] = {"tree": [], "ring": []}
+    try:
+        for i in range(-1, count):  # the first of each connects its peers: not counted
+            for way in ("tree", "ring") if i % 2 == 0 else ("ring", "tree"):
+                dist.barrier()
+                start = time.perf_counter()
+                if way == "tree":
+                    side.reduce_max_each([i, -i], op="bench.side", step=i)
+                else:
+                    dist.all_reduce(torch.tensor([i, -i], dtype=torch.int64), op=dist.ReduceOp.MAX, group=ring)
+                if i >= 0:
+                    lat[way].append(time.perf_counter() - start)
+    finally:
+        channels.close()
+    return lat
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -265,6 +291,7 @@ def main() -> None:
         "gather_small_s": _rounds("gather", args.rounds, 256),
         "gather_large_s": _rounds("gather", args.rounds, 16384),
         "fds_end": len(os.listdir("/proc/self/fd")),
+        "side_reduce_s": _side_reductions(args.rounds),
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     median = statistics.median(result["reduce_s"])

@@ -26,7 +26,9 @@ rank). The **latency model**: a round is ``2 * depth(N)`` hops of a 4-ary tree, 
 is ``depth(N)`` hops plus ``beta`` per byte arriving at rank 0. ``alpha`` and ``beta`` are fitted here, where a hop
 is a context switch of an oversubscribed CPU; the predictions at 1k, 4k and 16k ranks are given with that ``alpha``
 and with a cluster's (``--alpha-cluster-us``, 20 us: a network round trip), stated as an assumption. The suite's
-cost per step at scale is its measured fixed cost plus any wait for a round that outlasts the step.
+cost per step at scale is its measured fixed cost plus any wait for a round that outlasts the step. Off the ordinary
+step, the side group's reductions of a few integers at the cadence steps (SDC's reconciliation and replay rounds) are
+measured along the ranks' tree and through gloo's ring all-reduce, taking turns, and modelled both ways at scale.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ from benchmarks._common import (
     target,
     write_json,
 )
+from lightning_resilience.rank_tree import RankTree
+from lightning_resilience.sdc.config import SDCConfig
 
 TITLE = "Scale: the step path from 2 to 32 ranks, and a model for 1k to 16k ranks"
 DEFAULT_OUT = RESULTS_DIR / "scale.json"
@@ -76,12 +80,15 @@ float32 timings (as ``benchmarks.exchange_rank0`` measures it; 730 B with float6
 that assumed 400 B, where the JSON record was 2.2 KB)."""
 
 
+_SDC = SDCConfig()
+SDC_REDUCTIONS_PER_STEP = 1 / _SDC.reconcile_every_n_steps + 2 / _SDC.replay_every_n_steps
+"""Reductions of the suite's side group on the training thread per step at the default preset's SDC cadences: a
+reconciliation (one reduction of its hash) every 50 steps and a scheduled replay round (two of a flag) every 200."""
+
+
 def depth(n: int, fanout: int = FANOUT) -> int:
     """Levels below rank 0 of the ``fanout``-ary tree of ``n`` ranks."""
-    d, reach = 0, 1
-    while reach < n:
-        d, reach = d + 1, reach * fanout + 1
-    return d
+    return RankTree(0, n, fanout).depth
 
 
 def _launch(n: int, out: Path, steps: int, turns: int, rounds: int, timeout_s: float) -> list[dict[str, Any]]:
@@ -178,6 +185,10 @@ def summarize_n(n: int, ranks: list[dict[str, Any]], steps: int) -> dict[str, An
             "small": 1e3 * statistics.median(ranks[0]["gather_small_s"]),
             "large": 1e3 * statistics.median(ranks[0]["gather_large_s"]),
         },
+        "side_reduce_ms": {
+            way: 1e3 * statistics.median([x for res in ranks for x in res["side_reduce_s"][way]])
+            for way in ("tree", "ring")
+        },
     }
 
 
@@ -224,6 +235,9 @@ def model(rows: list[dict[str, Any]], alpha_cluster_s: float) -> dict[str, Any]:
             round_s = c + 2 * depth(n) * a + beta * 8 * FIELDS * FANOUT * depth(n)
             gather_s = depth(n) * a + beta * STRAGGLER_RECORD_B * n
             waits = {str(t): max(0.0, round_s - t) * 1e3 for t in STEP_TIMES_S}
+            # a side-group reduction of a few integers, on the training thread at a cadence step: along the same
+            # tree, or (before) gloo's ring all-reduce, 2 (N - 1) hops one after another
+            tree_s, ring_s = c + 2 * depth(n) * a, c + 2 * (n - 1) * a
             predictions.append(
                 {
                     "ranks": n,
@@ -231,6 +245,11 @@ def model(rows: list[dict[str, Any]], alpha_cluster_s: float) -> dict[str, Any]:
                     "round_ms": round_s * 1e3,
                     "straggler_gather_ms": gather_s * 1e3,
                     "suite_ms_per_step": {str(t): fixed_ms + waits[str(t)] for t in STEP_TIMES_S},
+                    "reduction_ms": {"tree": tree_s * 1e3, "ring": ring_s * 1e3},
+                    "sdc_cadence_ms_per_step": {
+                        "tree": tree_s * 1e3 * SDC_REDUCTIONS_PER_STEP,
+                        "ring": ring_s * 1e3 * SDC_REDUCTIONS_PER_STEP,
+                    },
                 }
             )
     return {
@@ -241,6 +260,7 @@ def model(rows: list[dict[str, Any]], alpha_cluster_s: float) -> dict[str, Any]:
         "straggler_record_b": STRAGGLER_RECORD_B,
         "alpha_us_cluster": alpha_cluster_s * 1e6,
         "fixed_ms": fixed_ms,
+        "sdc_reductions_per_step": SDC_REDUCTIONS_PER_STEP,
         "predictions": predictions,
     }
 
@@ -464,11 +484,54 @@ def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
     header += [f"suite ms/step, {t:g} s steps" for t in STEP_TIMES_S]
     lines.append(md_table(header, pred))
     lines.append("")
+    if all("reduction_ms" in p for p in m["predictions"]):
+        lines += _cadence_lines(m, r["rows"])
     for t in r["targets"]:
         value = t["value"]
         shown = "n/a" if value is None else f"{value:.3g}"
         lines.append(f"- {t['name']}: {shown} {t.get('unit', '')} ({t['verdict']})")
     return "\n".join(lines) + "\n"
+
+
+def _cadence_lines(m: dict[str, Any], rows_measured: list[dict[str, Any]]) -> list[str]:
+    """The model's side-group reductions at the cadence steps: along the tree, against gloo's ring all-reduce."""
+    rows = [
+        [
+            p["ranks"],
+            p["alpha"],
+            f"{p['reduction_ms']['tree']:.2f}",
+            f"{p['reduction_ms']['ring']:.1f}",
+            f"{p['sdc_cadence_ms_per_step']['tree']:.3f}",
+            f"{p['sdc_cadence_ms_per_step']['ring']:.2f}",
+        ]
+        for p in m["predictions"]
+    ]
+    header = ["ranks", "alpha", "reduction ms, tree", "gloo ring all-reduce ms", "SDC cadences ms/step, tree", "ring"]
+    measured = [r for r in rows_measured if "side_reduce_ms" in r]
+    here = (
+        " Measured here, taking turns (median over every rank's reductions): "
+        + "; ".join(
+            f"{r['ranks']} ranks {r['side_reduce_ms']['tree']:.2f} ms along the tree, "
+            f"{r['side_reduce_ms']['ring']:.2f} ms through the ring"
+            for r in measured
+        )
+        + ". On 2 cores a hop is a context switch and every rank must be scheduled whatever the algorithm: the chain "
+        "of hops, which the model counts, is what sets them apart at scale."
+        if measured
+        else ""
+    )
+    return [
+        "Off the ordinary step, the training thread waits for the side group's reductions of a few integers at the "
+        "steps a cadence names: at the default preset's SDC cadences, a reconciliation's hash every "
+        f"{_SDC.reconcile_every_n_steps} steps and a scheduled replay round's two flags every "
+        f"{_SDC.replay_every_n_steps} ({m.get('sdc_reductions_per_step', SDC_REDUCTIONS_PER_STEP):.3f} reductions a "
+        "step). They ride the step agreement's 4-ary tree, on its thread and links (`TreeAgreement.reduce_now`): "
+        "2 depth(N) hops, where gloo's all-reduce, which they used before, is a ring of 2 (N - 1) hops one after "
+        f"another.{here} The model, with the round's own cost as above:",
+        "",
+        md_table(header, rows),
+        "",
+    ]
 
 
 def _reference_cell(row: dict[str, Any]) -> str:

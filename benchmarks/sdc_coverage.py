@@ -261,13 +261,12 @@ def _rank(
 ) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_resilience.collective import SideGroup
     from lightning_resilience.policy import PolicyConfig
     from lightning_resilience.sdc.fingerprint import BitwiseDigest, digest_all
     from lightning_resilience.sdc.inject import BitFlipInjector, FlipSpec
     from lightning_resilience.sdc.monitor import SDCMonitor
     from lightning_resilience.sdc.verdict import Diagnosis
-    from lightning_resilience.step.agreement import TreeAgreement
+    from lightning_resilience.step.channels import Channels
     from lightning_resilience.step.driver import StepDriver
     from recipes._gpt import TinyGPT
 
@@ -290,10 +289,13 @@ def _rank(
     floor = _Floor(cfg, init, rank)
     batches = _batches(kw, rank, max(2 * w, BATCH_POOL), batch_size)
     monitor = SDCMonitor(list(model.named_parameters()), [], cfg)
-    monitor.setup()
+    # the suite's groups: the monitor's reductions (a reconciliation's hash, a replay round's flags) ride the step
+    # agreement's tree, as in a job
+    channels = Channels([cfg.timeout], timedelta(seconds=300))
+    monitor.setup(side=channels.side("sdc", cfg.timeout))
     monitor.attach(lambda b: _loss(model, b), ddp=ddp, synced_loss_fn=lambda b: _loss(ddp, b))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    agreement = TreeAgreement(SideGroup("step", timedelta(seconds=300), transport="tcp"))
+    agreement = channels.agreement
     state: dict[str, Any] = {"kept": deque(maxlen=3), "goto": None}
 
     def restore(bad: int) -> int | None:
@@ -441,7 +443,7 @@ def _rank(
                 times[kind].append(arm_step(kind, i + k))
             rng[kind] = torch.get_rng_state()
         i += ow
-    agreement.close()
+    channels.close()
     cpu_s = time.process_time()  # this rank's CPU, all its threads: the benchmark's own load, not a neighbour's
     n, st = max(len(times["checked"]), 1), monitor.stats
     driver_ms = {k: (v - phases0.get(k, 0.0)) * 1e3 / n for k, v in state["driver"].stats.seconds.items()}

@@ -22,7 +22,6 @@ Tests and drills inject faults with :func:`set_fault_hook` (see :mod:`lightning_
 
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 import threading
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_resilience._plain_pickle import loads_plain
-from lightning_resilience.deadline import CollectiveError, CollectiveTimeoutError, Deadline
+from lightning_resilience.deadline import CollectiveError, CollectiveTimeoutError, Deadline, Failing
 from lightning_resilience.links import Blob, TcpLinks
 
 __all__ = [
@@ -43,11 +42,14 @@ __all__ = [
     "CollectiveTimeoutError",
     "Deadline",
     "FaultHook",
+    "Reducer",
     "SideGroup",
     "set_fault_hook",
 ]
 
-log = logging.getLogger(__name__)
+Reducer = Callable[[list[int], str, str, "int | None", timedelta], list[int]]
+"""``reducer(values, how, op, step, timeout)``: every rank's ``values`` reduced elementwise (``how``: 'max', 'min',
+'and'), on every rank, within ``timeout`` (:meth:`SideGroup.reduce_through`)."""
 
 FaultHook = Callable[[str, int, "int | None"], None]
 """``hook(op, rank, step)``: called before every operation of every side group; may raise, block or exit."""
@@ -126,6 +128,9 @@ class SideGroup:
     def _broken(self, error: CollectiveError | None) -> None:
         self._link.broken = error
 
+    def _fail(self, error: CollectiveError) -> None:
+        self._link.broken = error
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_link": _Link()}  # a process group belongs to the process that made it
 
@@ -171,11 +176,11 @@ class SideGroup:
         timeout = self._bound(op, deadline)
         if any_type:
             gathered: list[Any] = [None] * self.world_size
-            with _Guard(self, op, timeout):
+            with Failing(self.name, self.rank, op, timeout, self._fail):
                 dist.all_gather_object(gathered, obj, group=self._group)
             return gathered
         data = pickle.dumps(obj)
-        with _Guard(self, op, timeout):
+        with Failing(self.name, self.rank, op, timeout, self._fail):
             size = torch.tensor([len(data)], dtype=torch.int64)
             sizes = [torch.empty_like(size) for _ in range(self.world_size)]
             dist.all_gather(sizes, size, group=self._group, async_op=True).wait(timeout)
@@ -194,51 +199,59 @@ class SideGroup:
             return [tensor]
         timeout = self._bound(op, deadline)
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        with _Guard(self, op, timeout):
+        with Failing(self.name, self.rank, op, timeout, self._fail):
             dist.all_gather(parts, tensor, group=self._group, async_op=True).wait(timeout)
         return parts
 
     def all_true(self, flag: bool, *, op: str, step: int | None = None, deadline: Deadline | None = None) -> bool:
         """True if ``flag`` is true on every rank."""
-        return bool(self._reduce(int(bool(flag)), dist.ReduceOp.MIN, op, step, deadline))
+        return bool(self._reduce(int(bool(flag)), "min", op, step, deadline))
 
     def any_true(self, flag: bool, *, op: str, step: int | None = None, deadline: Deadline | None = None) -> bool:
         """True if ``flag`` is true on some rank."""
-        return bool(self._reduce(int(bool(flag)), dist.ReduceOp.MAX, op, step, deadline))
+        return bool(self._reduce(int(bool(flag)), "max", op, step, deadline))
 
     def reduce_max(self, value: int, *, op: str, step: int | None = None, deadline: Deadline | None = None) -> int:
         """The largest ``value`` of all ranks."""
-        return int(self._reduce(int(value), dist.ReduceOp.MAX, op, step, deadline))
+        return int(self._reduce(int(value), "max", op, step, deadline))
 
     def reduce_min(self, value: int, *, op: str, step: int | None = None, deadline: Deadline | None = None) -> int:
         """The smallest ``value`` of all ranks."""
-        return int(self._reduce(int(value), dist.ReduceOp.MIN, op, step, deadline))
+        return int(self._reduce(int(value), "min", op, step, deadline))
 
     def reduce_and_each(
         self, values: Sequence[int], *, op: str, step: int | None = None, deadline: Deadline | None = None
     ) -> list[int]:
         """The bitwise AND of all ranks' ``values[i]`` for each ``i`` (same length on every rank), in one
         all-reduce: a flag that must hold everywhere, or a bit set of steps every rank holds."""
-        return self._reduce_all(list(values), dist.ReduceOp.BAND, op, step, deadline)
+        return self._reduce_all(list(values), "and", op, step, deadline)
 
     def reduce_max_each(
         self, values: Sequence[int], *, op: str, step: int | None = None, deadline: Deadline | None = None
     ) -> list[int]:
         """The largest of all ranks' ``values[i]`` for each ``i`` (same length on every rank), in one all-reduce."""
-        return self._reduce_all(list(values), dist.ReduceOp.MAX, op, step, deadline)
+        return self._reduce_all(list(values), "max", op, step, deadline)
 
-    def _reduce(self, value: int, how: Any, op: str, step: int | None, deadline: Deadline | None) -> int:
+    def reduce_through(self, reducer: Reducer | None) -> None:
+        """Send the reductions of this group and of its views through ``reducer`` (the suite's: along the step
+        agreement's tree, on its thread and links, ``2 * log4(N)`` hops and no socket of their own); None: gloo's
+        all-reduce on this group (a ring: ``2 * (N - 1)`` hops one after another)."""
+        self._link.reducer = reducer
+
+    def _reduce(self, value: int, how: str, op: str, step: int | None, deadline: Deadline | None) -> int:
         return self._reduce_all([int(value)], how, op, step, deadline)[0]
 
     def _reduce_all(
-        self, values: list[int], how: Any, op: str, step: int | None, deadline: Deadline | None
+        self, values: list[int], how: str, op: str, step: int | None, deadline: Deadline | None
     ) -> list[int]:
         if not self._enter(op, step):
             return values
         timeout = self._bound(op, deadline)
-        t = torch.tensor(values, dtype=torch.int64)
-        with _Guard(self, op, timeout):
-            dist.all_reduce(t, op=how, group=self._group, async_op=True).wait(timeout)
+        with Failing(self.name, self.rank, op, timeout, self._fail):
+            if self._link.reducer is not None:
+                return self._link.reducer(values, how, op, step, timeout)
+            t = torch.tensor(values, dtype=torch.int64)
+            dist.all_reduce(t, op=_REDUCE_OPS[how], group=self._group, async_op=True).wait(timeout)
         return [int(v) for v in t.tolist()]
 
     # ------------------------------------------------------------------ point to point
@@ -263,9 +276,9 @@ class SideGroup:
         timeout = self._bound(op, deadline)
         out: list[bytes | None] = []
         if self._link.tcp is not None:
-            with _Guard(self, op, timeout):
+            with Failing(self.name, self.rank, op, timeout, self._fail):
                 return self._link.tcp.exchange(payload, send_to, recv_from, time.monotonic() + timeout.total_seconds())
-        with _Guard(self, op, timeout):
+        with Failing(self.name, self.rank, op, timeout, self._fail):
             header = torch.tensor([-1 if payload is None else len(payload)], dtype=torch.int64)
             body = None if not payload else torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             pending = []
@@ -299,7 +312,7 @@ class SideGroup:
         if not self._enter(op, step, p2p=True):
             return [None for _ in recv_from]
         timeout = self._bound(op, deadline)
-        with _Guard(self, op, timeout):
+        with Failing(self.name, self.rank, op, timeout, self._fail):
             return links.receive(recv_from, time.monotonic() + timeout.total_seconds())
 
     def swap(
@@ -322,9 +335,9 @@ class SideGroup:
         timeout = self._bound(op, deadline)
         links = self._link.tcp
         if links is not None:
-            with _Guard(self, op, timeout):
+            with Failing(self.name, self.rank, op, timeout, self._fail):
                 return links.swap(sends, recvs, time.monotonic() + timeout.total_seconds()), []
-        with _Guard(self, op, timeout):
+        with Failing(self.name, self.rank, op, timeout, self._fail):
             sent = [dist.isend(_as_tensor(data), self.global_rank(r), group=self._group) for r, data in sends]
             bufs = [torch.empty(n, dtype=torch.uint8) for _, n in recvs]
             for work in [dist.irecv(b, self.global_rank(r), group=self._group) for (r, _), b in zip(recvs, bufs)]:
@@ -365,50 +378,19 @@ class SideGroup:
         return timeout
 
 
-class _Guard:
-    """Turns what gloo or a link raises into a :class:`CollectiveError` and marks the group broken. A plain context
-    manager: every step's round enters one, and a generator-based one cost more CPU than the exchange's Python."""
-
-    def __init__(self, group: SideGroup, op: str, timeout: timedelta) -> None:
-        self.group, self.op, self.timeout, self.start = group, op, timeout, time.monotonic()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, err: BaseException | None, trace: Any) -> None:
-        # gloo: "Operation timed out!", "Connection closed by peer"; the tcp links: TimeoutError, ConnectionError
-        if not isinstance(err, (RuntimeError, OSError)) or isinstance(err, CollectiveError):
-            return
-        text, group = str(err).lower(), self.group
-        timed_out = isinstance(err, TimeoutError) or "timed out" in text or "timeout" in text
-        what = (
-            f"no answer within {self.timeout.total_seconds():g}s"
-            if timed_out
-            else f"a peer failed after {time.monotonic() - self.start:.1f}s ({type(err).__name__}: "
-            f"{str(err).splitlines()[0][:200]})"
-        )
-        failure = (CollectiveTimeoutError if timed_out else CollectiveError)(
-            f"side group {group.name!r}, rank {group.rank}: {self.op} failed: {what}; a rank is hung, gone or took "
-            "another path. The job should stop so the launcher can restart it.",
-            op=self.op,
-            group=group.name,
-        )
-        group._broken = failure
-        log.error("%s", failure)
-        raise failure from err
-
-
 class _Link:
     """The gloo group (or the tcp links) of a side group and its health, shared by its views."""
 
-    __slots__ = ("broken", "group", "tcp")
+    __slots__ = ("broken", "group", "reducer", "tcp")
 
     def __init__(self) -> None:
         self.group: Any = None
         self.tcp: TcpLinks | None = None
         self.broken: CollectiveError | None = None
+        self.reducer: Reducer | None = None
 
 
+_REDUCE_OPS = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "and": dist.ReduceOp.BAND}
 _LAZY = "TORCH_GLOO_LAZY_INIT"
 _TRANSPORTS = {"gloo", "tcp"}
 _tcp_groups: dict[str, int] = {}

@@ -5,12 +5,15 @@ raise them; callers import them from there.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["CollectiveError", "CollectiveTimeoutError", "Deadline"]
+__all__ = ["CollectiveError", "CollectiveTimeoutError", "Deadline", "Failing"]
+
+log = logging.getLogger(__name__)
 
 
 class CollectiveError(RuntimeError):
@@ -71,3 +74,52 @@ class Deadline:
         """Raise :class:`TimeoutError` (an ``OSError``: a failed write, not a crash) once the deadline passed."""
         if self.expired:
             raise TimeoutError(f"{what}: deadline passed before it could start")
+
+
+class Failing:
+    """Turns what gloo or a link raises inside it into a :class:`CollectiveError` (:class:`CollectiveTimeoutError` when
+    it timed out), hands that to ``broken`` and raises it. A plain context manager: every step's round enters one, and
+    a generator-based one cost more CPU than the exchange's Python.
+
+    Args:
+        group: the side group's name; rank: this rank in it (both for the message).
+        op: what was being agreed.
+        timeout: the bound the operation had.
+        broken: told of the failure (the group is unusable from then on).
+    """
+
+    __slots__ = ("broken", "group", "op", "rank", "start", "timeout")
+
+    def __init__(
+        self, group: str, rank: int, op: str, timeout: timedelta, broken: Callable[[CollectiveError], None]
+    ) -> None:
+        self.group, self.rank, self.op, self.timeout, self.broken = group, rank, op, timeout, broken
+        self.start = time.monotonic()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, err: BaseException | None, trace: Any) -> None:
+        if isinstance(err, CollectiveError):  # typed already (a reduction carried by the step agreement)
+            self.broken(err)
+            return
+        # gloo: "Operation timed out!", "Connection closed by peer"; the tcp links: TimeoutError, ConnectionError
+        if not isinstance(err, (RuntimeError, OSError)):
+            return
+        text = str(err).lower()
+        timed_out = isinstance(err, TimeoutError) or "timed out" in text or "timeout" in text
+        what = (
+            f"no answer within {self.timeout.total_seconds():g}s"
+            if timed_out
+            else f"a peer failed after {time.monotonic() - self.start:.1f}s ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:200]})"
+        )
+        failure = (CollectiveTimeoutError if timed_out else CollectiveError)(
+            f"side group {self.group!r}, rank {self.rank}: {self.op} failed: {what}; a rank is hung, gone or took "
+            "another path. The job should stop so the launcher can restart it.",
+            op=self.op,
+            group=self.group,
+        )
+        self.broken(failure)
+        log.error("%s", failure)
+        raise failure from err

@@ -14,7 +14,17 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_resilience"
 MAX_LINES = 450
 ENGINES = {"checkpoint", "straggler", "sdc", "ft", "sim", "rollback", "step"}
-FRAMEWORK_FREE = ENGINES | {"collective", "policy", "exit_codes", "launch", "report", "attribution", "rundir"}
+FRAMEWORK_FREE = ENGINES | {
+    "collective",
+    "deadline",
+    "rank_tree",
+    "policy",
+    "exit_codes",
+    "launch",
+    "report",
+    "attribution",
+    "rundir",
+}
 """Parts that never import Lightning, not even inside a function: only ``lightning/`` and ``integrations/`` do."""
 ABOVE_ENGINES = {"lightning", "integrations", "cli", "config", "launch", "report", "testing"}
 LIGHTNING_PACKAGES = {"lightning", "pytorch_lightning", "lightning_fabric"}

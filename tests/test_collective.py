@@ -13,6 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_resilience.collective import CollectiveError, CollectiveTimeoutError, Deadline, SideGroup
+from lightning_resilience.rank_tree import RankTree
 from tests._ranks import run_ranks
 
 SHORT = timedelta(seconds=3)
@@ -54,13 +55,29 @@ def test_agreements_on_three_ranks(tmp_path: Path) -> None:
         assert res["received"] == [None if prev == 1 else f"from {prev}"]
 
 
-def _one_rank_never_comes(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+def test_a_rank_tree_links_every_rank_once_and_its_depth_is_logarithmic() -> None:
+    for n in (1, 2, 5, 6, 21, 22, 10_000):
+        trees = [RankTree(r, n) for r in range(n)]
+        assert trees[0].parent is None
+        assert all(trees[t.parent].children.count(r) == 1 for r, t in enumerate(trees) if t.parent is not None)
+        assert sum(len(t.children) for t in trees) == n - 1  # one parent each, rank 0 none
+    assert [RankTree(0, n).depth for n in (1, 2, 5, 6, 21, 22, 10_000)] == [0, 1, 1, 2, 2, 3, 7]
+    with pytest.raises(ValueError, match="fanout"):
+        RankTree(0, 4, fanout=1)
+    with pytest.raises(ValueError, match="not in a tree"):
+        RankTree(4, 4)
+
+
+def _one_rank_never_comes(rank: int, world: int, tmp: Path, first: str) -> dict[str, Any]:
     group = SideGroup("test", SHORT)
     outcome: dict[str, Any] = {}
     if rank != 1:  # rank 1 takes another path: it never enters the agreement (but stays alive)
         start = time.monotonic()
         with pytest.raises(CollectiveTimeoutError) as err:
-            group.all_gather_object(rank, op="checkpoint.agree")
+            if first == "gather":
+                group.all_gather_object(rank, op="checkpoint.agree")
+            else:
+                group.all_true(True, op="checkpoint.agree")
         outcome["waited"] = time.monotonic() - start
         outcome["message"] = str(err.value)
         start = time.monotonic()
@@ -82,8 +99,9 @@ def test_an_agreement_refuses_objects_unless_asked_for_any_type(tmp_path: Path) 
     run_ranks(_tensor_refused, 2, tmp_path)
 
 
-def test_a_rank_that_never_arrives_is_a_timeout_error_within_the_deadline(tmp_path: Path) -> None:
-    results = run_ranks(_one_rank_never_comes, 3, tmp_path)
+@pytest.mark.parametrize("first", ["gather", "reduction"])
+def test_a_rank_that_never_arrives_is_a_timeout_error_within_the_deadline(tmp_path: Path, first: str) -> None:
+    results = run_ranks(_one_rank_never_comes, 3, tmp_path, first)
     for rank in (0, 2):
         assert SHORT.total_seconds() - 0.5 <= results[rank]["waited"] < SHORT.total_seconds() + 10
         assert "checkpoint.agree" in results[rank]["message"] and "rank" in results[rank]["message"]

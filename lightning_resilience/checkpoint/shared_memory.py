@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -166,16 +166,16 @@ class Segment:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, HEADER + nbytes)  # the pages exist now: a full tmpfs is an error here
-            self._map = mmap.mmap(fd, HEADER + nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # mapped by torch, which keeps no descriptor open (Python's mmap keeps a duplicate: a descriptor a buffer)
+            mapped = torch.from_file(str(self.path), shared=True, size=HEADER + nbytes, dtype=torch.uint8)
         except BaseException:
-            os.close(fd)
             self.path.unlink(missing_ok=True)
             raise
-        os.close(fd)  # the mapping keeps the file open
-        _HEAD.pack_into(self._map, 0, _MAGIC, 0)
-        self.data = (
-            torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=HEADER) if nbytes else torch.empty(0)
-        )
+        finally:
+            os.close(fd)
+        self._head = cast(Any, mapped[:HEADER].numpy())  # the header, written in place
+        _HEAD.pack_into(self._head, 0, _MAGIC, 0)  # the generation of a fresh buffer
+        self.data = mapped[HEADER:] if nbytes else torch.empty(0)
         if pin and nbytes and torch.cuda.is_available():
             # the copy from the device lands here directly: page-locked like a pinned torch allocation
             self._pinned = _page_lock(self, self.data.data_ptr(), nbytes)
@@ -197,7 +197,7 @@ class Segment:
         for it (a store to memory, no system call). Returns the generation a :meth:`commit` must name."""
         with self._lock:
             self._generation += 1
-            _HEAD.pack_into(self._map, 0, _MAGIC, self._generation)
+            _HEAD.pack_into(self._head, 0, _MAGIC, self._generation)
             return self._generation
 
     def commit(self, generation: int, marker: dict[str, Any]) -> bool:
@@ -218,7 +218,7 @@ class Segment:
         """Unlink the buffer and its marker; the mapping stays valid for the tensors that still view it."""
         with self._lock:
             self._generation += 1
-            _HEAD.pack_into(self._map, 0, _MAGIC, self._generation)
+            _HEAD.pack_into(self._head, 0, _MAGIC, self._generation)
             self.marker.unlink(missing_ok=True)
             self.path.unlink(missing_ok=True)
         if self._pinned:

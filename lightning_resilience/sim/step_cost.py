@@ -11,15 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_resilience.rank_tree import RankTree
+
 __all__ = ["SuiteCostConfig", "tree_depth"]
 
 
 def tree_depth(ranks: int, fanout: int) -> int:
     """Levels below rank 0 of the ``fanout``-ary tree of ``ranks`` ranks."""
-    depth, reach = 0, 1
-    while reach < ranks:
-        depth, reach = depth + 1, reach * fanout + 1
-    return depth
+    return RankTree(0, max(ranks, 1), fanout).depth
 
 
 @dataclass(kw_only=True)

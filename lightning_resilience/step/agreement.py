@@ -39,6 +39,7 @@ import numpy as np
 
 from lightning_resilience.collective import CollectiveTimeoutError, Deadline, SideGroup
 from lightning_resilience.links import Blob
+from lightning_resilience.rank_tree import FANOUT, RankTree
 
 __all__ = ["AgreementStats", "Gathered", "Op", "Pending", "TreeAgreement", "combine", "frame", "unframe"]
 
@@ -156,15 +157,26 @@ class AgreementStats:
     """Time the training thread spent waiting for a result that had not arrived yet."""
     waits: int = 0
     """Results taken before they had arrived (the training thread waited)."""
+    side_reductions: int = 0
+    """Side groups' reductions carried (:meth:`TreeAgreement.reduce_now`), waited for at the steps that need them."""
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
     """Latency of the most recent rounds (at most 1,000), for benchmarks."""
 
 
 class Pending:
-    """The result of one round, taken later on the caller's thread."""
+    """The result of one round, taken later on the caller's thread.
 
-    def __init__(self, owner: TreeAgreement, op: str, step: int | None) -> None:
-        self.op, self.step = op, step
+    Args:
+        timeout: bound on the round (default: the group's).
+        side: a side group's reduction (:meth:`TreeAgreement.reduce_now`), not a step's round: not in the rounds'
+            statistics.
+    """
+
+    def __init__(
+        self, owner: TreeAgreement, op: str, step: int | None, timeout: timedelta | None = None, *, side: bool = False
+    ) -> None:
+        self.op, self.step, self.side = op, step, side
+        self.timeout = timeout or owner.timeout
         self._owner = owner
         self._waiting = threading.Lock()  # held until the result arrives (a lock costs less than an Event a step)
         self._waiting.acquire()
@@ -187,13 +199,14 @@ class Pending:
         :class:`CollectiveTimeoutError` when it has not finished in time (the agreement is broken from then on)."""
         if self._waiting.locked():
             start = time.perf_counter()
-            limit = timeout or self._owner.timeout
+            limit = timeout or self.timeout
             arrived = self._waiting.acquire(timeout=limit.total_seconds())
             if arrived:
                 self._waiting.release()  # taken again later: it answers at once
             stats = self._owner.stats
-            stats.waits += 1
-            stats.waited_seconds += time.perf_counter() - start
+            if not self.side:  # a side group's reduction is waited for by design, at a step a cadence names
+                stats.waits += 1
+                stats.waited_seconds += time.perf_counter() - start
             if not arrived:
                 error = CollectiveTimeoutError(
                     f"agreement {self._owner.name!r}: {self.op} of step {self.step} not agreed within "
@@ -220,16 +233,15 @@ class TreeAgreement:
         fanout: children per rank in the tree.
     """
 
-    def __init__(self, group: SideGroup, *, fanout: int = 4) -> None:
+    def __init__(self, group: SideGroup, *, fanout: int = FANOUT) -> None:
         if fanout < 2:
             raise ValueError(f"agreement fanout must be >= 2, got {fanout}")
         self.group, self.fanout = group, fanout
         self.name = group.name
         self.timeout = group.timeout
         self.stats = AgreementStats()
-        rank, n = group.rank, group.world_size
-        self.parent = (rank - 1) // fanout if rank > 0 else None
-        self.children = [c for c in range(fanout * rank + 1, fanout * rank + fanout + 1) if c < n]
+        self.tree = RankTree(group.rank, group.world_size, fanout)
+        self.parent, self.children = self.tree.parent, self.tree.children
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
@@ -239,10 +251,7 @@ class TreeAgreement:
     @property
     def depth(self) -> int:
         """Levels of the tree below rank 0 (a round is twice as many hops)."""
-        depth, reach, n = 0, 1, self.group.world_size
-        while reach < n:
-            depth, reach = depth + 1, reach * self.fanout + 1
-        return depth
+        return self.tree.depth
 
     def thread_cpu_seconds(self) -> float | None:
         """CPU time of the agreement's thread so far (None before its first round, or where the platform has no
@@ -265,14 +274,22 @@ class TreeAgreement:
         """Issue the reduction of ``values`` (one per field, reduced by ``ops``); returns at once."""
         if len(values) != len(ops):
             raise ValueError(f"agreement {op}: {len(values)} values for {len(ops)} fields")
-        return self._submit(("reduce", [int(v) for v in values], list(ops)), op, step)
+        return self._submit(("reduce", [int(v) for v in values], list(ops)), Pending(self, op, step))
 
     def gather(self, payload: bytes, *, op: str, step: int | None = None) -> Pending:
         """Issue the gather of one payload per rank to rank 0; returns at once."""
-        return self._submit(("gather", bytes(payload), None), op, step)
+        return self._submit(("gather", bytes(payload), None), Pending(self, op, step))
 
-    def _submit(self, request: tuple[str, Any, Any], op: str, step: int | None) -> Pending:
-        pending = Pending(self, op, step)
+    def reduce_now(self, values: list[int], how: str, op: str, step: int | None, timeout: timedelta) -> list[int]:
+        """A side group's reduction (a :data:`~lightning_resilience.collective.Reducer`: ``how`` is 'max', 'min' or
+        'and', elementwise), waited for, within ``timeout``: along this tree, on its thread and links, so the
+        training thread's reductions at the steps a cadence names open no socket of their own. It goes after the
+        rounds and gathers already issued: every rank reaches it at the same point of its work (the side groups'
+        rule), so the queues agree."""
+        pending = Pending(self, f"side.{op}", step, timeout, side=True)
+        return list(self._submit(("reduce", [int(v) for v in values], [Op(how)] * len(values)), pending).result())
+
+    def _submit(self, request: tuple[str, Any, Any], pending: Pending) -> Pending:
         if not self.group.distributed:
             kind, body, _ = request
             pending._set(Gathered((frame([(0, body)]),)) if kind == "gather" else list(body))
@@ -322,6 +339,10 @@ class TreeAgreement:
                 continue
             latency = time.perf_counter() - pending.issued
             stats = self.stats
+            if pending.side:
+                stats.side_reductions += 1
+                pending._set(value)
+                continue
             stats.rounds += kind == "reduce"
             stats.gathers += kind == "gather"
             stats.round_seconds += latency
@@ -340,7 +361,7 @@ class TreeAgreement:
         """Fixed-size messages, so a leaf (most ranks) waits once per round: send up and receive down together.
         The vector travels as packed int64 (no tensor: on this thread, beside a computing step, a tensor per
         message cost more CPU than the exchange itself)."""
-        deadline = Deadline(self.timeout)
+        deadline = Deadline(pending.timeout)
         if self._sent:
             self._settle_sends(deadline)
         fmt = _vector(len(values))
@@ -378,7 +399,7 @@ class TreeAgreement:
     def _gather(self, payload: bytes, pending: Pending) -> Gathered:
         """Up the tree without parsing: this rank's framed record, then its children's blobs as they came (one
         concatenation on the way up; rank 0 keeps them apart, large ones in shared memory, as received)."""
-        deadline = Deadline(self.timeout)
+        deadline = Deadline(pending.timeout)
         blobs: list[Blob] = [frame([(self.group.rank, payload)])]
         if self.children:
             got = self.group.receive(self.children, op=pending.op, step=pending.step, deadline=deadline)

@@ -5,7 +5,10 @@ interleave differently on different ranks). The suite has one group per thread t
 
 * ``suite`` — the training thread's agreements off the ordinary step: restore, the restore bound, a persist now, an
   emergency save, an in-process rollback, SDC's checks at their cadence. Every component gets a *view* of it
-  (:meth:`SideGroup.view`) with its own name and timeout.
+  (:meth:`SideGroup.view`) with its own name and timeout. Its reductions of a few integers go along the step
+  agreement's tree, on that thread and its links (:meth:`TreeAgreement.reduce_now`): ``2 * log4(N)`` hops, where
+  gloo's ring all-reduce takes ``2 * (N - 1)``, and no socket of their own; its gathers and point-to-point
+  exchanges are gloo's.
 * ``step`` — the agreement thread (:class:`~lightning_resilience.step.agreement.TreeAgreement`): the one round of
   every step and the straggler exchange at its cadence, along a tree of the ranks. Its messages go over direct TCP
   links (``transport="tcp"``, :mod:`lightning_resilience.links`), not gloo: a round costs a rank about half the CPU
@@ -14,7 +17,7 @@ interleave differently on different ranks). The suite has one group per thread t
 
 The checkpoint engine's persist thread has a third when a tier exchanges with peers (a peer tier's transfer group,
 made by that tier). Every group connects lazily: a rank opens a socket only to the peers it talks to (the ring
-neighbours of the ``suite`` group's collectives, the tree's parent and children), so sockets per rank and set-up
+neighbours of the ``suite`` group's gathers, the tree's parent and children), so sockets per rank and set-up
 time do not grow with the number of ranks.
 """
 
@@ -48,6 +51,7 @@ class Channels:
         self._side = SideGroup("suite", longest, local=local)
         self._step = SideGroup("step", step_timeout, local=local, transport="tcp")
         self.agreement = TreeAgreement(self._step, fanout=fanout)
+        self._side.reduce_through(self.agreement.reduce_now)
 
     @property
     def rank(self) -> int:
@@ -64,5 +68,6 @@ class Channels:
     def close(self) -> None:
         """Stop the agreement thread (bounded, after its last answers are sent) and close its links; the gloo group
         goes with the default process group."""
+        self._side.reduce_through(None)  # from now on along a tree of the gloo group's own connections
         self.agreement.close()
         self._step.close()

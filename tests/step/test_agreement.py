@@ -228,3 +228,86 @@ def test_rank_0_keeps_the_gathered_blobs_as_they_came_whatever_the_number_of_ran
     assert all(blob is part for blob, part in zip(got.blobs[1:], parts))  # the very objects received
     records = got.records()
     assert [r for r, _ in records] == list(range(world)) and records[0] == (0, b"mine")
+
+
+def _scenario_side_reductions(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from lightning_resilience.step.channels import Channels
+
+    channels = Channels([timedelta(seconds=30)], timedelta(seconds=30), fanout=2)
+    side = channels.side("sdc", timedelta(seconds=30))
+    gloo = {"p2p": 0, "all_reduce": 0}
+    calls = {name: getattr(dist, name) for name in ("isend", "irecv", "all_reduce")}
+
+    def counted(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            gloo["all_reduce" if name == "all_reduce" else "p2p"] += 1
+            return calls[name](*args, **kwargs)
+
+        return call
+
+    for name in calls:
+        setattr(dist, name, counted(name))
+    try:
+        round_ = channels.agreement.reduce([rank], [Op.MAX], op="step.agree", step=7)  # a step's round, in flight
+        out = {
+            "all_true": side.all_true(rank != 3, op="sdc.all"),
+            "any_true": side.any_true(rank == 4, op="sdc.any"),
+            "max": side.reduce_max(rank * 10, op="sdc.max"),
+            "min": side.reduce_min(100 - rank, op="sdc.min"),
+            "and_each": side.reduce_and_each([0b111 & ~(1 << (rank % 3)), -1], op="sdc.and"),
+            "max_each": side.reduce_max_each([rank, -rank], op="sdc.reconcile"),
+        }
+        out["round"] = round_.result()
+        stats = channels.agreement.stats
+        out["stats"] = [stats.rounds, stats.side_reductions, stats.waits]
+        out["gloo"] = dict(gloo)
+        channels.close()  # the agreement's thread is gone: a reduction is gloo's all-reduce again
+        out["after_close"] = side.reduce_max(rank, op="sdc.max")
+        out["gloo_after_close"] = dict(gloo)
+    finally:
+        for name, fn in calls.items():
+            setattr(dist, name, fn)
+    return out
+
+
+def test_the_side_groups_reductions_ride_the_agreements_tree_and_open_no_socket(tmp_path: Path) -> None:
+    """A side group's reductions (an SDC reconciliation's hash, a replay round's flags) go along the agreement's
+    tree, on its thread and links, after the round already issued: no gloo message, no ring of 2 (N - 1) hops."""
+    results = run_ranks(_scenario_side_reductions, 5, tmp_path)
+    for res in results:
+        assert (res["all_true"], res["any_true"], res["max"], res["min"]) == (False, True, 40, 96)
+        assert res["and_each"] == [0, -1] and res["max_each"] == [4, 0] and res["round"] == [4]
+        assert res["stats"] == [1, 6, 0]  # one step round; six side reductions; no step round waited for
+        assert res["gloo"] == {"p2p": 0, "all_reduce": 0}
+        assert res["after_close"] == 4 and res["gloo_after_close"] == {"p2p": 0, "all_reduce": 1}
+
+
+def _scenario_side_missing_rank(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    import time
+
+    from lightning_resilience.step.channels import Channels
+
+    channels = Channels([timedelta(seconds=30)], timedelta(seconds=30))
+    side = channels.side("sdc", timedelta(seconds=2))
+    outcome: dict[str, Any] = {}
+    if rank != 1:  # rank 1 takes another path: it never enters the reduction (but stays alive)
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError):
+            side.all_true(True, op="sdc.reconcile")
+        outcome["waited"] = time.monotonic() - start
+        start = time.monotonic()
+        with pytest.raises(CollectiveError):  # broken: the next call fails at once
+            side.any_true(True, op="again")
+        outcome["second"] = time.monotonic() - start
+    else:
+        threading.Event().wait(4)
+    channels.close()
+    return outcome
+
+
+def test_a_side_reduction_a_rank_never_joins_is_a_timeout_within_its_own_bound(tmp_path: Path) -> None:
+    results = run_ranks(_scenario_side_missing_rank, 3, tmp_path, deadline_s=60)
+    for rank in (0, 2):
+        assert 1.5 <= results[rank]["waited"] < 12 and results[rank]["second"] < 1.0
