@@ -228,17 +228,19 @@ class TreeAgreement:
     """Reductions and gathers of small payloads along a tree of the ranks, run by a thread of its own.
 
     Args:
-        group: a side group used by this object alone (its thread is the only caller); its timeout bounds a round.
-            Without peers (one rank, no process group) every round completes at once on the caller's thread.
+        group: a side group used by this object alone (its thread is the only caller); its timeout bounds every
+            exchange. Without peers (one rank, no process group) every round completes at once on the caller's thread.
         fanout: children per rank in the tree.
+        timeout: bound on a round and a gather (default and at most: the group's); a side group's reduction
+            (:meth:`reduce_now`) brings its own, up to the group's.
     """
 
-    def __init__(self, group: SideGroup, *, fanout: int = FANOUT) -> None:
+    def __init__(self, group: SideGroup, *, fanout: int = FANOUT, timeout: timedelta | None = None) -> None:
         if fanout < 2:
             raise ValueError(f"agreement fanout must be >= 2, got {fanout}")
         self.group, self.fanout = group, fanout
         self.name = group.name
-        self.timeout = group.timeout
+        self.timeout = min(timeout or group.timeout, group.timeout)
         self.stats = AgreementStats()
         self.tree = RankTree(group.rank, group.world_size, fanout)
         self.parent, self.children = self.tree.parent, self.tree.children

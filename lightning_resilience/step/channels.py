@@ -36,9 +36,10 @@ class Channels:
     """The side groups of one training job on one rank. Collective: every rank creates it at the same point.
 
     Args:
-        timeouts: the timeouts of the components that will use the ``suite`` group: the gloo group is made with the
-            longest, so that each view can wait as long as its own timeout says (and no longer: an operation left
-            behind by a failed agreement ends with the group's timeout).
+        timeouts: the timeouts of the components that will use the ``suite`` group: the gloo group (and the step
+            agreement's links, which carry its reductions) are made with the longest, so that each view can wait as
+            long as its own timeout says (and no longer: an operation left behind by a failed agreement ends with
+            the group's timeout).
         step_timeout: bound on one round of the step agreement (the policy's timeout).
         fanout: children per rank in the agreement tree.
         local: this process alone (no peers, whatever the process group).
@@ -49,8 +50,9 @@ class Channels:
     ) -> None:
         longest = max([step_timeout, *timeouts])
         self._side = SideGroup("suite", longest, local=local)
-        self._step = SideGroup("step", step_timeout, local=local, transport="tcp")
-        self.agreement = TreeAgreement(self._step, fanout=fanout)
+        # the links wait as long as the longest view's reduction they carry may; a step's round, the policy's bound
+        self._step = SideGroup("step", longest, local=local, transport="tcp")
+        self.agreement = TreeAgreement(self._step, fanout=fanout, timeout=step_timeout)
         self._side.reduce_through(self.agreement.reduce_now)
 
     @property

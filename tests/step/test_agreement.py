@@ -311,3 +311,29 @@ def test_a_side_reduction_a_rank_never_joins_is_a_timeout_within_its_own_bound(t
     results = run_ranks(_scenario_side_missing_rank, 3, tmp_path, deadline_s=60)
     for rank in (0, 2):
         assert 1.5 <= results[rank]["waited"] < 12 and results[rank]["second"] < 1.0
+
+
+def _scenario_side_outwaits_the_round(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    from lightning_resilience.step.channels import Channels
+
+    channels = Channels([timedelta(seconds=30)], timedelta(seconds=1))  # a step's round: 1 s at most
+    side = channels.side("checkpoint", timedelta(seconds=30))
+    if rank == 1:  # late by more than a round's bound (a slow restore), well within the checkpoint's own
+        threading.Event().wait(2.5)
+    agreed = side.all_true(True, op="checkpoint.restore")
+    if rank == 1:  # its step's round comes as late: past the round's bound
+        threading.Event().wait(2.5)
+    late = channels.agreement.reduce([rank], [Op.MAX], op="step.agree", step=0)
+    try:
+        late.result()
+        round_error = None
+    except CollectiveError as err:
+        round_error = type(err).__name__
+    channels.close()
+    return {"agreed": agreed, "round_error": round_error}
+
+
+def test_a_side_reduction_waits_as_long_as_its_own_view_says_and_a_round_as_the_policy_says(tmp_path: Path) -> None:
+    results = run_ranks(_scenario_side_outwaits_the_round, 2, tmp_path, deadline_s=60)
+    assert [r["agreed"] for r in results] == [True, True]
+    assert results[0]["round_error"] == "CollectiveTimeoutError"  # rank 0 waited 1 s for rank 1's round
