@@ -524,7 +524,7 @@ def _cadence_lines(m: dict[str, Any], rows_measured: list[dict[str, Any]]) -> li
         "Off the ordinary step, the training thread waits for the side group's reductions of a few integers at the "
         "steps a cadence names: at the default preset's SDC cadences, a reconciliation's hash every "
         f"{_SDC.reconcile_every_n_steps} steps and a scheduled replay round's two flags every "
-        f"{_SDC.replay_every_n_steps} ({m.get('sdc_reductions_per_step', SDC_REDUCTIONS_PER_STEP):.3f} reductions a "
+        f"{_SDC.replay_every_n_steps} ({m['sdc_reductions_per_step']:.3f} reductions a "
         "step). They ride the step agreement's 4-ary tree, on its thread and links (`TreeAgreement.reduce_now`): "
         "2 depth(N) hops, where gloo's all-reduce, which they used before, is a ring of 2 (N - 1) hops one after "
         f"another.{here} The model, with the round's own cost as above:",

@@ -124,11 +124,8 @@ class SideGroup:
     def _broken(self) -> CollectiveError | None:
         return self._link.broken
 
-    @_broken.setter
-    def _broken(self, error: CollectiveError | None) -> None:
-        self._link.broken = error
-
     def _fail(self, error: CollectiveError) -> None:
+        """The group is unusable from now on, for every view of it."""
         self._link.broken = error
 
     def __getstate__(self) -> dict[str, Any]:
@@ -355,7 +352,7 @@ class SideGroup:
             try:
                 hook(op, self.rank, step)
             except CollectiveError as err:
-                self._broken = err
+                self._fail(err)
                 raise
         if self._broken is not None:
             raise CollectiveError(
@@ -373,7 +370,7 @@ class SideGroup:
                 op=op,
                 group=self.name,
             )
-            self._broken = err  # the peers are waiting in it: they will time out, and so must we from now on
+            self._fail(err)  # the peers are waiting in it: they will time out, and so must we from now on
             raise err
         return timeout
 

@@ -70,6 +70,6 @@ class Channels:
     def close(self) -> None:
         """Stop the agreement thread (bounded, after its last answers are sent) and close its links; the gloo group
         goes with the default process group."""
-        self._side.reduce_through(None)  # from now on along a tree of the gloo group's own connections
+        self._side.reduce_through(None)  # from now on gloo's all-reduce (the agreement's thread is going)
         self.agreement.close()
         self._step.close()
