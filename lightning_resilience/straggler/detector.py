@@ -134,7 +134,6 @@ class StragglerDetector:
         self.sections = tested + ([KERNELS] if self._kernels is not None else [])
         self._payload_sections = sorted({*tested, STEP, DATA, COMPUTE, WAIT})
         self.scoreboard = Scoreboard(self.sections, world_size, c, relative=self.mode == "relative")
-        self._buffer: list[tuple[int, dict[str, float]]] = []
         self._ended = 0  # end_step calls (every rank makes the same number: it decides when to gather)
         self._last_step: int | None = None
         self._last_gather_step: int | None = None
@@ -306,13 +305,13 @@ class StragglerDetector:
         since the last exchange. ``end_step`` = prepare + exchange + consume; simulations call them themselves."""
         self._ended += 1
         self._last_step = self._ended if step is None else step
-        records = self.timer.collect()
-        warm = self._ended > self.config.warmup_steps
-        if warm:
-            self._buffer.extend((self._last_step, r) for r in records)
-        if not warm or (self._ended - self.config.warmup_steps) % self.config.gather_every_n_steps:
+        self.timer.label_finished(self._last_step)
+        if self._ended <= self.config.warmup_steps:  # the warm-up's timings are dropped as they end
+            self.timer.collect()
             return None
-        buffer, self._buffer = self._buffer, []
+        if (self._ended - self.config.warmup_steps) % self.config.gather_every_n_steps:
+            return None  # the steps' timings stay in the timer until the exchange: nothing read on an ordinary step
+        buffer = [(self._last_step if s is None else s, r) for s, r in self.timer.collect_labelled()]
         kernels = self._kernels.slowdown() if self._kernels is not None else None
         times = []
         for _, record in buffer:  # always the same keys (NaN: not timed), so every record has the same shape

@@ -107,6 +107,8 @@ class CudaEventSource:
 @dataclass
 class _PendingStep:
     spans: list[tuple[str, Any, Any]] = field(default_factory=list)
+    label: int | None = None
+    """The caller's name for the step (its step number): :meth:`StepTimer.label_finished`."""
 
 
 class StepTimer:
@@ -203,13 +205,25 @@ class StepTimer:
         """The next step's data wait is not measured (after a pause such as validation or a checkpoint)."""
         self._idle_since = None
 
+    def label_finished(self, label: int) -> None:
+        """Name the steps finished since the last call (normally the one just ended) ``label``; :meth:`collect_labelled`
+        gives the names back."""
+        for pending in reversed(self._finished):
+            if pending.label is not None:
+                return
+            pending.label = label
+
     def collect(self, *, wait: bool = False) -> list[dict[str, float]]:
         """Seconds per section of every step finished since the last call, oldest first.
 
         With CUDA events, a step whose work is still running on the device stays for the next call unless ``wait``
         (timing never stalls the host on the device).
         """
-        out: list[dict[str, float]] = []
+        return [record for _, record in self.collect_labelled(wait=wait)]
+
+    def collect_labelled(self, *, wait: bool = False) -> list[tuple[int | None, dict[str, float]]]:
+        """:meth:`collect`, each record with its step's name (:meth:`label_finished`; None: never named)."""
+        out: list[tuple[int | None, dict[str, float]]] = []
         done = 0
         for pending in self._finished:
             if not wait and not all(self.source.ready(end) for _, _, end in pending.spans):
@@ -219,6 +233,6 @@ class StepTimer:
             for name, start, end in pending.spans:
                 record[name] = record.get(name, 0.0) + max(0.0, self.source.elapsed(start, end))
             record[COMPUTE] = max(0.0, record[STEP] - record.get(WAIT, 0.0))
-            out.append(record)
+            out.append((pending.label, record))
         del self._finished[:done]
         return out

@@ -328,3 +328,23 @@ def test_the_payloads_texts_are_read_once_per_run_and_a_malformed_one_is_still_n
     broken = bad[:at] + b'"sectionz"' + bad[at + len(b'"sections"') :]
     with pytest.raises(StragglerGatherError, match="malformed"):
         decode_gathered([frame([(0, broken)])], kept)
+
+
+def test_an_ordinary_step_end_reads_no_timings_and_the_exchange_carries_each_steps_own() -> None:
+    clock = FakeClock()
+    sent: list[dict] = []
+    det = StragglerDetector(
+        StragglerConfig(warmup_steps=2, gather_every_n_steps=4), rank=0, world_size=2, clock=clock,
+        gather=lambda p: sent.append(p) or [p, {**p, "rank": 1}],
+    )  # fmt: skip
+    for step in range(100, 110):
+        det.start_step()
+        clock.advance(0.01 * (step - 99))
+        det.end_step(step)
+    # the warm-up's two steps are dropped; then every 4 steps, the 4 steps since, each with its own step and time
+    assert [p["steps"] for p in sent] == [[102, 103, 104, 105], [106, 107, 108, 109]]
+    assert [round(t["step"], 6) for t in sent[0]["times"]] == [0.03, 0.04, 0.05, 0.06]
+    det.start_step()
+    clock.advance(0.5)
+    det.end_step(110)
+    assert det.timer.collect() and len(sent) == 2  # an ordinary step leaves its timings in the timer

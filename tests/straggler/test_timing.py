@@ -110,3 +110,38 @@ def test_cuda_events_time_device_work() -> None:
     timer.end_step()
     (record,) = timer.collect(wait=True)
     assert 0 < record["matmul"] <= record[STEP]
+
+
+class _LateSource:
+    """Marks a device reads back late: a mark is ready once ``ready_upto`` has passed it (as CUDA events complete)."""
+
+    def __init__(self) -> None:
+        self.now, self.ready_upto = 0.0, -1.0
+
+    def mark(self) -> float:
+        self.now += 1.0
+        return self.now
+
+    def ready(self, mark: float) -> bool:
+        return mark <= self.ready_upto
+
+    def elapsed(self, start: float, end: float) -> float:
+        return end - start
+
+
+def test_a_step_read_back_late_keeps_the_name_it_was_given_when_it_ended() -> None:
+    source = _LateSource()
+    timer = StepTimer(source)
+    for step in (7, 8, 9):
+        timer.start_step()
+        timer.end_step()
+        timer.label_finished(step)
+        if step == 8:
+            source.ready_upto = source.now  # steps 7 and 8 have completed on the device; 9 has not yet
+    assert [label for label, _ in timer.collect_labelled()] == [7, 8]
+    timer.label_finished(10)  # a later call names nothing already named
+    source.ready_upto = source.now
+    assert [label for label, _ in timer.collect_labelled()] == [9]
+    timer.start_step()
+    timer.end_step()
+    assert [label for label, _ in timer.collect_labelled(wait=True)] == [None]  # never named
