@@ -311,15 +311,11 @@ class StragglerDetector:
             return None
         if (self._ended - self.config.warmup_steps) % self.config.gather_every_n_steps:
             return None  # the steps' timings stay in the timer until the exchange: nothing read on an ordinary step
-        buffer = [(self._last_step if s is None else s, r) for s, r in self.timer.collect_labelled()]
-        kernels = self._kernels.slowdown() if self._kernels is not None else None
-        times = []
-        for _, record in buffer:  # always the same keys (NaN: not timed), so every record has the same shape
-            row = {name: float(record.get(name, math.nan)) for name in self._payload_sections}
-            if kernels is not None:
-                row[KERNELS] = kernels
-            times.append(row)
-        steps = [s for s, _ in buffer]
+        kernels = {KERNELS: self._kernels.slowdown()} if self._kernels is not None else {}
+        steps, times = [], []
+        for step_, record in self.timer.collect_labelled():  # the same keys in every row (NaN: not timed)
+            steps.append(self._last_step if step_ is None else step_)
+            times.append({**{name: float(record.get(name, math.nan)) for name in self._payload_sections}, **kernels})
         return {"rank": self.rank, "host": self.hostname, "local_world_size": self.local_world_size, "steps": steps,
                 "times": times}  # fmt: skip
 
@@ -355,12 +351,16 @@ class StragglerDetector:
         names = [*self._payload_sections, *([KERNELS] if KERNELS in self.sections else [])]
         decisions: list[Escalation] = []
         steps = [int(table.steps[j]) if j < len(table.steps) else step for j in range(table.times.shape[1])]
-        j, calm = 0, 1
-        while j < len(steps):  # calm samples several at a time (the same state); from the first that is not, one by one
-            if not (calm := calm and self.scoreboard.calm and self._score_calm(steps[j:], table, j)):
-                column = {n: c if (c := table.column(j, n)) is not None else missing for n in names}
-                decisions += self._score(steps[j], column)
-            j += calm or 1
+        measured, j, calm = table.measured(self.sections), 0, True
+        while j < len(steps):  # calm samples several at a time (the same state as one by one); the others one by one:
+            if calm and measured[j] and self.scoreboard.calm:  # an episode, or a value not measured (after a pause)
+                if taken := self._score_calm(steps[j:], table, j):
+                    j += taken
+                    continue
+                calm = False  # a measured sample the board would not take (near a threshold): one by one from here
+            column = {n: c if (c := table.column(j, n)) is not None else missing for n in names}
+            decisions += self._score(steps[j], column)
+            j += 1
         decisions.sort(key=lambda d: (d.action.severity, d.verdict.rank))
         self.episodes.act(decisions)
         return decisions

@@ -118,6 +118,13 @@ class Table:
             return None
         return self.times[:, sample, self.sections.index(section)]
 
+    def measured(self, sections: Sequence[str]) -> np.ndarray:
+        """Per sample, whether every rank measured every one of ``sections`` (a value >= 0; not NaN)."""
+        if not set(sections) <= set(self.sections):
+            return np.zeros(self.times.shape[1], dtype=bool)
+        picked = self.times[:, :, [self.sections.index(name) for name in sections]]
+        return np.asarray((picked >= 0).all(axis=(0, 2)))
+
     def block(self, start: int, sections: Sequence[str]) -> np.ndarray | None:
         """Every rank's seconds of ``sections`` at the samples from ``start`` on: samples x sections x ranks (None:
         no rank sent one of them)."""

@@ -38,8 +38,11 @@ def _state(det: StragglerDetector) -> dict[str, Any]:
     }
 
 
-def _run(world: int, config: StragglerConfig, cost: Any, *, calm: bool, wire: bool = False) -> tuple[Cluster, int]:
-    """``wire``: every exchange as rank 0's scorer reads it, encoded and framed (timings in float32)."""
+def _run(
+    world: int, config: StragglerConfig, cost: Any, *, calm: bool, wire: bool = False, pauses: tuple[int, ...] = ()
+) -> tuple[Cluster, int]:
+    """``wire``: every exchange as rank 0's scorer reads it, encoded and framed (timings in float32). ``pauses``:
+    before these steps the ranks pause (a validation, an epoch's end), so their data wait is not measured."""
     cluster = Cluster(world, config, gather_every=config.gather_every_n_steps)
     taken = [0]
     for det in cluster.detectors:
@@ -63,7 +66,12 @@ def _run(world: int, config: StragglerConfig, cost: Any, *, calm: bool, wire: bo
             board.update_calm = counted  # type: ignore[method-assign]
         else:
             board.update_calm = lambda *args: 0  # type: ignore[method-assign]
-    cluster.run(STEPS, cost)
+    done = 0
+    for pause in (*pauses, STEPS):
+        cluster.run(pause - done, cost)
+        done = pause
+        for det in cluster.detectors:
+            det.timer.reset_data_wait()
     return cluster, taken[0]
 
 
@@ -117,3 +125,20 @@ def test_leave_one_out_over_many_steps_matches_one_step_at_a_time(width: int, re
     at_once = leave_one_out_complete(values, reference)
     for index in np.ndindex(values.shape[:-1]):
         assert np.array_equal(at_once[index], leave_one_out_reference(values[index], reference))
+
+
+def test_a_sample_not_measured_is_scored_alone_and_the_rest_of_its_exchange_still_goes_the_calm_way():
+    """After a pause (validation, an epoch's end) a step's data wait is not measured: that sample alone is scored one
+    by one, the samples before and after it in the same exchange go the calm way, and the state is the same."""
+    config = StragglerConfig()
+    pauses = tuple(range(37, STEPS, 37))  # inside exchanges, at a different sample of each
+    cost = lambda: jitter_cost(5, slow_rank=2, factor=1.5, onset=250)  # noqa: E731
+    one_by_one, _ = _run(3, config, cost(), calm=False, pauses=pauses)
+    at_once, taken = _run(3, config, cost(), calm=True, pauses=pauses)
+    assert one_by_one.verdicts == at_once.verdicts and any(v.rank == 2 for v in at_once.verdicts)
+    for a, b in zip(one_by_one.detectors, at_once.detectors):
+        assert a.decisions == b.decisions
+        for name, value in _state(a).items():
+            assert np.array_equal(value, _state(b)[name], equal_nan=True), name
+    calm_before_onset = (250 - config.warmup_steps - len(pauses)) * 3  # every measured sample of the calm part
+    assert taken >= calm_before_onset * 9 // 10, f"only {taken} samples went the calm way"
