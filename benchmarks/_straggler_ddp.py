@@ -270,8 +270,9 @@ def run_trial(trial: Trial, args: argparse.Namespace, index: int) -> dict[str, A
         limit_val_batches=0,
         callbacks=callbacks,
     )
-    started = time.perf_counter()
+    started, before = time.perf_counter(), os.times()
     trainer.fit(_Mlp(args.width, args.depth, injection, args.device_ms / 1e3, trial.strategy == "fsdp"), loader)
+    after = os.times()  # the fit's children are reaped by now: rank 0's scoring process, closed at the fit's end
     out: dict[str, Any] = {
         "trial": asdict(trial),
         "rank": trainer.global_rank,
@@ -280,6 +281,7 @@ def run_trial(trial: Trial, args: argparse.Namespace, index: int) -> dict[str, A
         "delay_s": drill.delay,
         "periods_s": [b - a for a, b in zip(drill.starts, drill.starts[1:])],
         "wall_s": time.perf_counter() - started,
+        "children_cpu_s": after.children_user + after.children_system - before.children_user - before.children_system,
     }
     if trial.kind == "path":
         out["driver_s_per_step"] = _driver_seconds(trainer) / max(1, trial.steps)

@@ -73,6 +73,7 @@ def _workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     hooks: list[float] = []
     hooks_cpu: list[float] = []
     driver: list[float] = []
+    scoring: list[float] = []
     verdicts: list[dict[str, Any]] = []
     for i, trial in enumerate(results):
         r, a, b = _pairs(trial, args.span)
@@ -85,6 +86,8 @@ def _workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
             hooks.append(rank["detector_s_per_step"] * steps / n_on)
             hooks_cpu.append(rank["detector_cpu_s_per_step"] * steps / n_on)
             driver.append(rank["driver_s_per_step"])  # every step, on and off
+            if rank["rank"] == 0:  # its scoring process (its only child) scores the exchanges of the spans on
+                scoring.append(rank["children_cpu_s"] / n_on)
             verdicts += [{**v, "trial": i, "seen_on_rank": rank["rank"]} for v in rank["verdicts"]]
     interval = bench.mean_interval(ratios)
     median_off = statistics.median(off_p)
@@ -103,6 +106,8 @@ def _workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
         "hooks_fraction": statistics.fmean(hooks) / median_off,
         "hooks_cpu_s_per_step_on": statistics.fmean(hooks_cpu),
         "driver_s_per_step": statistics.fmean(driver),
+        "scoring_cpu_s_per_step_on": statistics.fmean(scoring),
+        "scoring_fraction": statistics.fmean(scoring) / median_off,
         "false_verdicts": len(verdicts),
         "verdicts": verdicts,
         "wall_s": time.perf_counter() - started,
@@ -155,6 +160,13 @@ def _interval_note(res: dict[str, Any]) -> str:
     return f"95% interval {lo_hi[0] * 100:+.2f}% to {lo_hi[1] * 100:+.2f}% over {res['pairs']} pairs of spans"
 
 
+def _scoring(res: dict[str, Any]) -> str:
+    """Rank 0's scoring process's CPU per step on (results from before it was recorded: n/a)."""
+    if "scoring_cpu_s_per_step_on" not in res:
+        return "n/a"
+    return f"{res['scoring_cpu_s_per_step_on'] * 1e3:.3f} ms ({bench.fmt_pct(res['scoring_fraction'])})"
+
+
 def _verdicts(res: dict[str, Any]) -> str:
     """Verdicts in these clean fits; job-wide ones (every rank slower than its own best) say the machine slowed."""
     job = sum(1 for v in res["verdicts"] if v.get("scope") == "job")
@@ -177,11 +189,13 @@ def render_markdown(result: dict[str, Any]) -> str:
                 bench.fmt_pct(res["pooled_slowdown_median"]),
                 bench.fmt_pct(res["pooled_slowdown_p99"]),
                 f"{res['hooks_s_per_step_on'] * 1e3:.3f} ms ({bench.fmt_pct(res['hooks_fraction'])})",
+                _scoring(res),
                 _verdicts(res),
             ]
         )
     header = ["workload", "step off (mean)", "step on (mean)", "own share (mean of pairs)", "95% interval",
-              "pairs", "median", "p99", "in its hooks, a step on", "verdicts"]  # fmt: skip
+              "pairs", "median", "p99", "in its hooks, a step on", "rank 0's scoring process, CPU a step on",
+              "verdicts"]  # fmt: skip
     return "\n".join(
         [
             f"## {result['title']}",
@@ -198,7 +212,9 @@ def render_markdown(result: dict[str, Any]) -> str:
             "Paired inside each run, so the drift between launches (about 1.7% of the mean step here) cancels out; "
             "`benchmarks.straggler_detection` measures the same share between launches, to about +-1.1 points. The "
             "median and p99 columns compare the pooled steps on against the pooled steps off. Off, the wait "
-            "probes' forward pre-hooks stay registered and return at once (counted on both sides).",
+            "probes' forward pre-hooks stay registered and return at once (counted on both sides). Rank 0's scoring "
+            "process: its CPU time over each fit (user and system, in 10 ms ticks; it scores only the spans on) per "
+            "step on; where both ranks keep both cores busy (the cpu workload) that time is taken from a rank.",
         ]
     )
 

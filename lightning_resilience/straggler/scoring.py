@@ -315,6 +315,11 @@ def _score_received(conn: Any, sock: socket.socket, message: tuple[Any, ...], sc
             m.close()
 
 
+INLINE_SCORES_BYTES = 16 << 10
+"""Score arrays up to this size come back in the pickled reply: at a few hundred ranks a shared buffer (a memfd, a
+write, a descriptor sent, received and mapped) costs both processes more than the bytes."""
+
+
 @dataclass
 class _Shipped:
     """The scoreboard's arrays of one exchange in shared memory: N values a section, handed over by descriptor."""
@@ -328,12 +333,13 @@ def _ship_scores(scored: Scored, sent: list[bytes]) -> tuple[Scored, _Shipped | 
     pickled reply and into one shared buffer, which the training process maps instead of reading and unpickling;
     the episodes (every verdict and decision so far) only when they changed since the last reply (``sent``: the
     digest of the last ones shipped), else None: the training process keeps the ones it has. Where the platform has
-    no memfds the arrays stay in the reply (no shipment)."""
+    no memfds, or the arrays are small (:data:`INLINE_SCORES_BYTES`: a few hundred ranks), they stay in the reply (no
+    shipment)."""
     digest = hashlib.blake2b(pickle.dumps(scored.episodes), digest_size=16).digest()
     if sent and sent[0] == digest:
         scored = dataclasses.replace(scored, episodes=None)
     sent[:] = [digest]
-    if not SHARED_MEMORY:
+    if not SHARED_MEMORY or sum(np.asarray(a).nbytes for a in scored.scores[:2]) <= INLINE_SCORES_BYTES:
         return scored, None
     arrays = [np.ascontiguousarray(a) for a in scored.scores[:2]]
     shipped = _Shipped(

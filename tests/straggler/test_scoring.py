@@ -313,14 +313,21 @@ def test_a_large_exchange_is_handed_over_while_the_scorer_is_busy() -> None:
         scorer.close()
 
 
-def test_without_memfds_the_scores_come_back_in_the_reply(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A platform without memfds (not Linux) still gets its scores back: in the pickled reply, not a mapping."""
+@pytest.mark.parametrize("memfds", [False, True])
+def test_without_memfds_or_with_a_few_ranks_the_scores_come_back_in_the_reply(
+    monkeypatch: pytest.MonkeyPatch, memfds: bool
+) -> None:
+    """A platform without memfds (not Linux) still gets its scores back: in the pickled reply, not a mapping; and so
+    do the small score arrays of a few hundred ranks (no shared buffer, no descriptor, no mapping)."""
     import numpy as np
 
     from lightning_resilience.straggler import scoring
     from lightning_resilience.straggler.scoring import Scored
 
-    monkeypatch.setattr(scoring, "SHARED_MEMORY", False)  # before the fork: the scoring process has none either
+    monkeypatch.setattr(scoring, "SHARED_MEMORY", memfds)  # before the fork: the scoring process has none either
+    landed: list[Any] = []
+    real = scoring._land_scores
+    monkeypatch.setattr(scoring, "_land_scores", lambda *args: landed.append(args[2]) or real(*args))
 
     def score(step: int, blobs: list[Any]) -> Scored:
         return Scored([], {"n": step}, step, step, (np.full((2, 3), float(step)), np.zeros((2, 3)), 1.0))
@@ -332,3 +339,4 @@ def test_without_memfds_the_scores_come_back_in_the_reply(monkeypatch: pytest.Mo
     finally:
         scorer.close()
     assert np.array_equal(scored.scores[0], np.full((2, 3), 7.0)) and scored.episodes == {"n": 7}
+    assert landed == [None]  # no shared buffer came with the reply
