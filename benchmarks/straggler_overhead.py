@@ -160,13 +160,6 @@ def _interval_note(res: dict[str, Any]) -> str:
     return f"95% interval {lo_hi[0] * 100:+.2f}% to {lo_hi[1] * 100:+.2f}% over {res['pairs']} pairs of spans"
 
 
-def _scoring(res: dict[str, Any]) -> str:
-    """Rank 0's scoring process's CPU per step on (results from before it was recorded: n/a)."""
-    if "scoring_cpu_s_per_step_on" not in res:
-        return "n/a"
-    return f"{res['scoring_cpu_s_per_step_on'] * 1e3:.3f} ms ({bench.fmt_pct(res['scoring_fraction'])})"
-
-
 def _verdicts(res: dict[str, Any]) -> str:
     """Verdicts in these clean fits; job-wide ones (every rank slower than its own best) say the machine slowed."""
     job = sum(1 for v in res["verdicts"] if v.get("scope") == "job")
@@ -189,7 +182,7 @@ def render_markdown(result: dict[str, Any]) -> str:
                 bench.fmt_pct(res["pooled_slowdown_median"]),
                 bench.fmt_pct(res["pooled_slowdown_p99"]),
                 f"{res['hooks_s_per_step_on'] * 1e3:.3f} ms ({bench.fmt_pct(res['hooks_fraction'])})",
-                _scoring(res),
+                f"{res['scoring_cpu_s_per_step_on'] * 1e3:.3f} ms ({bench.fmt_pct(res['scoring_fraction'])})",
                 _verdicts(res),
             ]
         )

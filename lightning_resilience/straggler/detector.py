@@ -314,7 +314,7 @@ class StragglerDetector:
         kernels = {KERNELS: self._kernels.slowdown()} if self._kernels is not None else {}
         steps, times = [], []
         for step_, record in self.timer.collect_labelled():  # the same keys in every row (NaN: not timed)
-            steps.append(self._last_step if step_ is None else step_)
+            steps.append(step_)  # every finished step was named above, at the latest by this call
             times.append({**{name: float(record.get(name, math.nan)) for name in self._payload_sections}, **kernels})
         return {"rank": self.rank, "host": self.hostname, "local_world_size": self.local_world_size, "steps": steps,
                 "times": times}  # fmt: skip
@@ -354,7 +354,8 @@ class StragglerDetector:
         measured, j, calm = table.measured(self.sections), 0, True
         while j < len(steps):  # calm samples several at a time (the same state as one by one); the others one by one:
             if calm and measured[j] and self.scoreboard.calm:  # an episode, or a value not measured (after a pause)
-                if taken := self._score_calm(steps[j:], table, j):
+                end = next((k for k in range(j, len(steps)) if not measured[k]), len(steps))  # the measured run
+                if taken := self._score_calm(steps[j:end], table, j):
                     j += taken
                     continue
                 calm = False  # a measured sample the board would not take (near a threshold): one by one from here
@@ -367,7 +368,7 @@ class StragglerDetector:
 
     def _score_calm(self, steps: list[int], table: Table, start: int) -> int:
         """The leading samples the scoreboard takes at once (:meth:`Scoreboard.update_calm`), kept in the history."""
-        times, kept = table.block(start, self.sections), table.block(start, _KEPT)
+        times, kept = (table.block(start, names, start + len(steps)) for names in (self.sections, _KEPT))
         if times is None or kept is None:
             return 0
         work = kept[:, 1] + np.where(np.isnan(kept[:, 2]), 0.0, kept[:, 2])  # compute + data wait, as in _score

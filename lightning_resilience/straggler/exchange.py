@@ -125,12 +125,12 @@ class Table:
         picked = self.times[:, :, [self.sections.index(name) for name in sections]]
         return np.asarray((picked >= 0).all(axis=(0, 2)))
 
-    def block(self, start: int, sections: Sequence[str]) -> np.ndarray | None:
-        """Every rank's seconds of ``sections`` at the samples from ``start`` on: samples x sections x ranks (None:
-        no rank sent one of them)."""
+    def block(self, start: int, sections: Sequence[str], stop: int | None = None) -> np.ndarray | None:
+        """Every rank's seconds of ``sections`` at the samples from ``start`` (up to ``stop``): samples x sections x
+        ranks (None: no rank sent one of them)."""
         if not set(sections) <= set(self.sections):
             return None
-        picked = self.times[:, start:, [self.sections.index(name) for name in sections]]
+        picked = self.times[:, start:stop, [self.sections.index(name) for name in sections]]
         return np.ascontiguousarray(picked.transpose(1, 2, 0))
 
 

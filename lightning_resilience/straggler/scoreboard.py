@@ -130,21 +130,16 @@ class Scoreboard:
         """Score the leading samples of ``steps`` at once while the job is calm: ``times[t, s, r]`` and ``work[t, r]``
         as :meth:`update` takes them, one sample a row. Calm: every value measured, no series in an episode and
         none reaching its threshold. Returns how many samples were scored (up to the next refresh of a baseline or a
-        noise scale, or the first sample with a value not measured, where the next call goes on), with the same state
-        as one :meth:`update` each; 0 when they are not calm (the caller scores them one by one, which sees what
-        happens)."""
+        noise scale, where the next call goes on), with the same state as one :meth:`update` each; 0 when they are
+        not calm (the caller scores them one by one, which sees what happens)."""
         s, w = len(self.sections), self.world_size
         count = min(len(steps), self.cusum.until_refresh, self.baseline.until_refresh)
         if not (count and self.calm and w >= 2 and KERNELS not in self.sections):
             return 0
         # in float64 before any arithmetic, as update's functions convert them (a caller's may be float32)
         times, work = np.asarray(times[:count], np.float64), np.asarray(work[:count], np.float64)
-        measured = (times >= 0).all(axis=(1, 2)) & (work > 0).all(axis=1)  # NaN compares False
-        if not measured.all():  # up to the first sample with a value not measured, which is scored one by one
-            count = int(measured.argmin())
-            if not count:
-                return 0
-            times, work = times[:count], work[:count]
+        if not ((times >= 0).all() and (work > 0).all()):
+            return 0  # NaN compares False: a value not measured is scored one by one
         best = self.baseline.best
         best_work = best[s * w :]
         loo_work = leave_one_out_complete(work, self.reference)[:, None, :]
