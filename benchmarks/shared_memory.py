@@ -10,7 +10,8 @@ Usage (from the repository root)::
   reversed every other round, each turn's background work waited for at its end and counted in its mean, not in
   one of its steps), so all see the same machine: ``none``; ``floor``, a bare ``copy_`` of the state's
   tensors into preallocated host buffers every step (what the hardware allows); ``process``, the engine's RAM tier
-  in process memory every step; ``shared``, the RAM tier in shared memory every step (the default preset's); and
+  in process memory every step; ``shared``, the RAM tier in shared memory every step (the default preset's; its
+  buffers in ``--shm-dir``, ``/dev/shm`` by default: a tmpfs, as a job keeps them); and
   the two with the local disk every 10 steps (``process+disk``: the shard written by the persist thread;
   ``shared+disk``: by the writer process, off the trainer's GIL). Each contender's figures: mean, median and p99 step
   time (the maximum when a contender has fewer than 100 samples), slowdown over ``none``, ratio to ``floor``.
@@ -41,6 +42,7 @@ MODULE = "benchmarks.shared_memory"
 TITLE = "Snapshots in shared memory: step-time cost against the bare-copy floor, restore against local disk"
 DEFAULT_OUT = str(bench.RESULTS_DIR / "shared_memory.json")
 DISK_EVERY = 10
+SHM_DIR = "/dev/shm"
 CONTENDERS = ("none", "floor", "process", "shared", "process+disk", "shared+disk")
 README_PENDING = f"**{TITLE}**: no result yet (`python -m {MODULE}` on a quiet machine)."
 
@@ -88,12 +90,12 @@ class _Engine(_Contender):
     """The checkpoint engine with the default preset's tiers (RAM every step, optionally disk every 10), the overlapped
     copy and the optimizer guard that ``TieredCheckpoint`` installs."""
 
-    def __init__(self, name: str, wl: bench.GPTWorkload, root: Path, *, shared: bool, disk: bool) -> None:
+    def __init__(self, name: str, wl: bench.GPTWorkload, root: Path, shm: Path, *, shared: bool, disk: bool) -> None:
         from lightning_resilience.checkpoint import CheckpointManager, LocalTier, MemoryTier
 
         super().__init__(name)
         self.wl = wl
-        memory = MemoryTier(every_n_steps=1, keep=2, shared_memory=shared, shm_dir=str(root / "shm"), run_id=name)
+        memory = MemoryTier(every_n_steps=1, keep=2, shared_memory=shared, shm_dir=str(shm / name), run_id=name)
         tiers: list[Any] = [memory]
         if disk:
             tiers.append(LocalTier(root / "disk", every_n_steps=DISK_EVERY, keep=2))
@@ -185,13 +187,13 @@ def _figures(record: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------ restore
-def _write_and_die(cfg: dict[str, Any], root: str, steps: int) -> None:
+def _write_and_die(cfg: dict[str, Any], root: str, shm: str, steps: int) -> None:
     """A training process that snapshots ``steps`` steps (the last one persisted to disk too) and ends without
     cleaning up, as a killed one would."""
     from lightning_resilience.checkpoint import CheckpointManager, LocalTier, MemoryTier
 
     wl = bench.GPTWorkload(cfg, batch_size=1)
-    memory = MemoryTier(every_n_steps=1, keep=2, shared_memory=True, shm_dir=f"{root}/shm", run_id="restore")
+    memory = MemoryTier(every_n_steps=1, keep=2, shared_memory=True, shm_dir=shm, run_id="restore")
     manager = CheckpointManager([memory, LocalTier(f"{root}/disk", every_n_steps=steps, keep=1)])
     manager.setup()
     for step in range(1, steps + 1):
@@ -201,11 +203,11 @@ def _write_and_die(cfg: dict[str, Any], root: str, steps: int) -> None:
     manager.wait()
 
 
-def _restore_seconds(root: Path, source: str) -> tuple[float, int | None]:
+def _restore_seconds(root: Path, shm: Path, source: str) -> tuple[float, int | None]:
     from lightning_resilience.checkpoint import CheckpointManager, LocalTier, MemoryTier
 
     tiers: list[Any] = (
-        [MemoryTier(keep=2, shared_memory=True, shm_dir=str(root / "shm"), run_id="restore")]
+        [MemoryTier(keep=2, shared_memory=True, shm_dir=str(shm), run_id="restore")]
         if source == "shared memory"
         else [LocalTier(root / "disk", keep=1)]
     )
@@ -218,17 +220,17 @@ def _restore_seconds(root: Path, source: str) -> tuple[float, int | None]:
     return seconds, restored.step if restored is not None else None
 
 
-def run_restore(cfg: dict[str, Any], root: Path, reps: int, steps: int = 3) -> dict[str, Any]:
+def run_restore(cfg: dict[str, Any], root: Path, shm: Path, reps: int, steps: int = 3) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")  # a process of its own, gone before the restores
-    writer = ctx.Process(target=_write_and_die, args=(cfg, str(root), steps))
+    writer = ctx.Process(target=_write_and_die, args=(cfg, str(root), str(shm), steps))
     writer.start()
     writer.join(600)
     if writer.exitcode != 0:
         raise RuntimeError(f"the writing process failed (exit code {writer.exitcode})")
     out: dict[str, Any] = {}
     for source in ("shared memory", "local disk"):
-        _restore_seconds(root, source)  # warm: page cache, imports, the first mapping
-        runs = [_restore_seconds(root, source) for _ in range(reps)]
+        _restore_seconds(root, shm, source)  # warm: page cache, imports, the first mapping
+        runs = [_restore_seconds(root, shm, source) for _ in range(reps)]
         assert all(step == steps for _, step in runs), f"{source} restored {runs}, not step {steps}"
         out[source] = bench.summarize([s for s, _ in runs])
     out["speedup"] = bench.ratio(out["local disk"]["median_s"], out["shared memory"]["median_s"])
@@ -244,7 +246,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per contender first (default 12)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the trainer")
     p.add_argument("--restore-reps", type=int, default=None, help="repetitions per restore figure (default 7)")
-    p.add_argument("--tmpdir", default=None, help="where buffers and disk checkpoints go (default: the temp dir)")
+    p.add_argument("--tmpdir", default=None, help="where the disk checkpoints go (default: the temp dir)")
+    p.add_argument("--shm-dir", default=SHM_DIR,
+                   help=f"where the shared buffers go, as the tier's shm_dir (default {SHM_DIR}, a tmpfs)")  # fmt: skip
     p.add_argument("--out", default=DEFAULT_OUT, help="JSON result file")
     p.add_argument("--quick", action="store_true", help="smoke mode: few steps, nothing to publish")
     args = p.parse_args(argv)
@@ -259,7 +263,15 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     cfg = dict(gpt_preset(args.preset))
+    from lightning_resilience.checkpoint.shared_store import RAM_FILESYSTEMS, filesystem_type
+
+    # the shared buffers where a job keeps them (a RAM filesystem): in a directory on a disk the kernel would write
+    # each step's pages back to it, and the steps would wait on the writeback
+    shm_fs = filesystem_type(Path(args.shm_dir))
+    if shm_fs is not None and shm_fs not in RAM_FILESYSTEMS:
+        raise SystemExit(f"--shm-dir {args.shm_dir} is on a {shm_fs} filesystem, not in RAM: name a tmpfs directory")
     root = Path(tempfile.mkdtemp(prefix="lr-shm-bench-", dir=args.tmpdir))
+    shm = Path(tempfile.mkdtemp(prefix="lr-shm-bench-", dir=args.shm_dir))
     machine = bench.machine_info()
     try:
         wl = bench.GPTWorkload(cfg, batch_size=1)
@@ -267,14 +279,15 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         bench.print_flush(f"[{MODULE}] {args.preset}: {state_bytes / 1e6:.0f} MB of state, {args.rounds} rounds")
         contenders: list[_Contender] = [_Contender("none"), _Floor(wl)]
         for name in CONTENDERS[2:]:
-            contenders.append(_Engine(name, wl, root / name, shared="shared" in name, disk="disk" in name))
+            contenders.append(_Engine(name, wl, root / name, shm, shared="shared" in name, disk="disk" in name))
         times = _rotation(wl, contenders, warmup=args.warmup, turn=args.turn, rounds=args.rounds)
         for c in contenders:
             c.close()
         step_time = _figures(times)
-        restore = run_restore(cfg, root / "restore", args.restore_reps)
+        restore = run_restore(cfg, root / "restore", shm / "restore", args.restore_reps)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
     machine["loadavg_at_end"] = list(os.getloadavg())
     same_copy = bench.ratio(step_time["shared"]["mean_s"], step_time["process"]["mean_s"])  # costs what today's costs
     at_floor = step_time["shared+disk"]["floor_ratio"]
@@ -292,6 +305,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             "rounds": args.rounds,
             "warmup": args.warmup,
             "threads": args.threads,
+            "shm_dir": args.shm_dir,
+            "shm_filesystem": shm_fs,
+            "disk_filesystem": filesystem_type(root.parent),
         },
         "step_time": step_time,
         "restore": restore,
@@ -320,6 +336,9 @@ def render_markdown(result: dict[str, Any]) -> str:
     sources = ("shared memory", "local disk")
     restore_rows = [[s, bench.fmt_ms(rs[s]["median_s"]), bench.fmt_ms(rs[s]["min_s"]), rs[s]["n"]] for s in sources]
     what = f"{cfg['state_bytes'] / 1e6:.0f} MB of state, {cfg['rounds']} interleaved turns of {cfg['turn']} steps"
+    if cfg.get("shm_filesystem"):
+        what += f"; shared buffers in {cfg['shm_dir']} ({cfg['shm_filesystem']})"
+        what += f", disk checkpoints on {cfg['disk_filesystem']}"
     return "\n".join(
         [
             f"## {TITLE}",

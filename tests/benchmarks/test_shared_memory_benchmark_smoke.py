@@ -36,6 +36,8 @@ def _run(module: str, out: Path, *args: str, timeout: float) -> dict[str, Any]:
 
 @pytest.mark.timeout(400)
 def test_snapshot_cost_and_restore(tmp_path: Path) -> None:
+    shm = Path("/dev/shm")
+    before = set(shm.glob("lr-shm-bench-*"))
     r = _run("benchmarks.shared_memory", tmp_path / "r.json", "--preset", "tiny", "--tmpdir", str(tmp_path),
              timeout=380)  # fmt: skip
     assert set(r["step_time"]) == {"none", "floor", "process", "shared", "process+disk", "shared+disk"}
@@ -44,7 +46,9 @@ def test_snapshot_cost_and_restore(tmp_path: Path) -> None:
     for source in ("shared memory", "local disk"):
         assert _positive(r["restore"][source]["median_s"])
     assert [t["verdict"] in ("PASS", "MISS") for t in r["targets"]] == [True] * 3
-    assert not list(tmp_path.glob("lr-shm-bench-*")), "the benchmark left its buffers behind"
+    assert not list(tmp_path.glob("lr-shm-bench-*")), "the benchmark left its checkpoints behind"
+    assert set(shm.glob("lr-shm-bench-*")) == before, "the benchmark left its shared buffers behind"
+    assert r["config"]["shm_filesystem"] == "tmpfs"  # where a job keeps them, not a disk the kernel writes back to
 
 
 @pytest.mark.timeout(700)

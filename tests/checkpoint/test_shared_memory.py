@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_resilience.checkpoint import host_copy
+from lightning_resilience.checkpoint import host_copy, shared_store
 from lightning_resilience.checkpoint import shared_memory as shm
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.manager import CheckpointManager
@@ -387,3 +387,34 @@ def test_an_exception_saves_to_disk_only_what_shared_memory_does_not_already_kee
     assert manager.emergency_save() == 3
     assert manager.steps()["local"] == ([] if shared else [3])
     manager.close()
+
+
+def test_a_shm_dir_on_a_disk_is_used_and_said_to_be_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Buffers in a directory on a disk filesystem are written back to the disk by the kernel: honoured (the setting
+    is the user's), and said with the filesystem's type; a tmpfs (the mount table's longest match) is not."""
+    ram, spaced = tmp_path / "ram", tmp_path / "in ram"
+    ram.mkdir(), spaced.mkdir()  # mount points exist
+    table = tmp_path / "mountinfo"
+    table.write_text(
+        "22 1 0:1 / / rw,relatime - ext4 /dev/vda rw\n"
+        f"25 22 0:23 / {ram} rw,relatime - tmpfs tmpfs rw\n"
+        f"26 22 0:24 / {str(spaced).replace(' ', chr(92) + '040')} rw - tmpfs tmpfs rw\n"
+    )
+    monkeypatch.setattr(shared_store, "MOUNTINFO", table)
+    assert shared_store.filesystem_type(tmp_path / "disk" / "not yet") == "ext4"
+    assert shared_store.filesystem_type(ram / "not yet") == shared_store.filesystem_type(spaced) == "tmpfs"
+    for where, said in ((tmp_path / "disk", True), (ram, False), (spaced, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            manager = _manager(where)
+        manager.on_step(1, state_at(1))
+        manager.wait_snapshot()
+        warned = [r.getMessage() for r in caplog.records if "not in RAM" in r.getMessage()]
+        assert bool(warned) is said, (where, warned)
+        assert not said or ("on a ext4 filesystem" in warned[0] and str(where) in warned[0])
+        assert _committed(where) == [1]  # used either way
+        manager.close(finished=False)
+    monkeypatch.setattr(shared_store, "MOUNTINFO", tmp_path / "no such table")
+    assert shared_store.filesystem_type(tmp_path) is None
