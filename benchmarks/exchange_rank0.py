@@ -190,7 +190,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             "released), and the cyclic garbage collector's passes that allocations start (with torch imported, a "
             "full pass holds the thread a few ms). Nothing in the training process parses or copies the records: "
             "their descriptors go to the scoring process, which maps, reads and scores them; the N-wide scores come "
-            "back mapped, the episodes only when they changed. The timings are a healthy job's (every rank within "
+            "back mapped, of the episodes only what changed. The timings are a healthy job's (every rank within "
             "5% of one step time): the scorer is not flooded with verdicts. *Scoring an exchange*: the scoring "
             "process's work on one exchange (reading the blobs, scoring its 10 steps), timed on fresh exchanges "
             "after each run; it must stay under the time between two exchanges, or exchanges queue.",

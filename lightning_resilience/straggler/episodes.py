@@ -4,9 +4,13 @@ a verdict that persists into decisions, which every rank carries out at the same
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import pickle
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -16,9 +20,50 @@ from lightning_resilience.straggler.config import StragglerConfig
 from lightning_resilience.straggler.policy import ActionLadder, Escalation, StragglerFinding
 from lightning_resilience.straggler.scoreboard import JOB
 
-__all__ = ["Episodes"]
+__all__ = ["EpisodeChanges", "EpisodeMark", "Episodes"]
 
 log = logging.getLogger(__name__)
+
+
+EpisodeMark = tuple[int, int, int, bytes]
+"""What a copy of the episodes was last sent: the lengths of the verdicts, noise-level confirmations and decisions,
+and the digest of the rest (the ladders, the stop)."""
+
+
+@dataclass(frozen=True)
+class EpisodeChanges:
+    """What changed in an :class:`Episodes` since a :data:`EpisodeMark`: the findings and decisions added after it,
+    and the rest when it changed. Its size follows the changes, never the run's history (a run's confirmations add up
+    by the thousand at thousands of ranks)."""
+
+    start: tuple[int, int, int]
+    verdicts: list[StragglerFinding]
+    noise_level: list[StragglerFinding]
+    decisions: list[Escalation]
+    rest: tuple[Any, ...] | None
+    """The count of noise-level confirmations, the stop, the ladders (their active episodes); None: unchanged."""
+    whole: Episodes | None = None
+    """The first changes a copy receives: the episodes themselves."""
+
+    def apply_to(self, episodes: Episodes | None) -> Episodes:
+        """``episodes`` (the copy these changes follow) brought up to date; the whole episodes the first time."""
+        if self.whole is not None:
+            return self.whole
+        if episodes is None:
+            raise RuntimeError("straggler: episode changes arrived before the episodes they follow")
+        v, n, d = self.start
+        _extend(episodes.verdicts, v, self.verdicts)
+        _extend(episodes.noise_level, n, self.noise_level)
+        _extend(episodes.decisions, d, self.decisions)
+        if self.rest is not None:
+            episodes._set_rest(self.rest)
+        return episodes
+
+
+def _extend(have: list[Any], at: int, new: list[Any]) -> None:
+    if len(have) < at:
+        raise RuntimeError(f"straggler: episode changes from entry {at} arrived after {len(have)} entries")
+    have[at:] = new
 
 
 class Episodes:
@@ -42,6 +87,28 @@ class Episodes:
         self.decisions: list[Escalation] = []
         self.should_stop = False
         self.stop_decision: Escalation | None = None
+
+    def changes(self, mark: EpisodeMark | None) -> tuple[EpisodeChanges | None, EpisodeMark]:
+        """What changed since ``mark`` (None: nothing sent yet; the whole episodes), or None when nothing did; and the
+        new mark."""
+        rest = self._rest()
+        digest = hashlib.blake2b(pickle.dumps(rest), digest_size=16).digest()
+        now = (len(self.verdicts), len(self.noise_level), len(self.decisions), digest)
+        if mark is None:
+            return EpisodeChanges((0, 0, 0), [], [], [], None, whole=self), now
+        if mark == now:
+            return None, now
+        v, n, d, sent = mark
+        changes = EpisodeChanges(
+            (v, n, d), self.verdicts[v:], self.noise_level[n:], self.decisions[d:], rest if digest != sent else None
+        )
+        return changes, now
+
+    def _rest(self) -> tuple[Any, ...]:
+        return self.noise_level_count, self.should_stop, self.stop_decision, self.ladder, self.job_ladder
+
+    def _set_rest(self, rest: tuple[Any, ...]) -> None:
+        self.noise_level_count, self.should_stop, self.stop_decision, self.ladder, self.job_ladder = rest
 
     @property
     def active(self) -> list[StragglerFinding]:

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import mmap
 import multiprocessing
 import os
-import pickle
 import queue
 import select
 import signal
@@ -66,7 +64,8 @@ class Scored:
 
     decisions: list[Any]
     episodes: Any
-    """The verdicts, the ladders and the decisions so far (an :class:`~.episodes.Episodes`)."""
+    """The verdicts, the ladders and the decisions so far (an :class:`~.episodes.Episodes`); between the scoring
+    process and the training process, what changed in them (an :class:`~.episodes.EpisodeChanges`, or None)."""
     gathers: int
     last_gather_step: int | None
     scores: tuple[np.ndarray, np.ndarray, float]
@@ -150,7 +149,7 @@ class ScoringProcess:
             self._process.start()
         child.close()
         self._fds = socket.socket(fileno=os.dup(self._conn.fileno()))  # the pipe's socket: the scores' descriptor
-        self._episodes: Any = None  # the last episodes the child sent
+        self._episodes: Any = None  # the child's episodes, kept up to date from what changed in each reply
         self._ready = select.poll()  # made once: Connection.poll builds a selector each call (50 us)
         self._ready.register(self._conn.fileno(), select.POLLIN)
         self._pending = 0
@@ -178,10 +177,10 @@ class ScoringProcess:
         out = []
         while self._pending and (wait or self._ready.poll(0)):
             scored = _land_scores(self._fds, *self._receive("scored"))
-            if scored.episodes is None:  # unchanged since the last reply: no copy of them read
-                scored = dataclasses.replace(scored, episodes=self._episodes)
+            if scored.episodes is not None:  # what changed since the last reply: the copy here brought up to date
+                self._episodes = scored.episodes.apply_to(self._episodes)
+            scored = dataclasses.replace(scored, episodes=self._episodes)
             out.append(scored)
-            self._episodes = scored.episodes
             self._pending -= 1
             self._scored_since_state = True
         return out
@@ -256,7 +255,7 @@ def _serve(conn: Any, parent_end: Any, score: ScoreFn, state: StateFn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which closes this process
     code = 0
     sock = socket.socket(fileno=os.dup(conn.fileno()))
-    sent: list[bytes] = []  # the digest of the episodes last shipped
+    sent: list[Any] = []  # the mark of the episodes last shipped
     try:
         while True:
             try:
@@ -331,14 +330,13 @@ class _Shipped:
 def _ship_scores(scored: Scored, sent: list[bytes]) -> tuple[Scored, _Shipped | None]:
     """In the scoring process: the score arrays (sections x ranks, megabytes at thousands of ranks) out of the
     pickled reply and into one shared buffer, which the training process maps instead of reading and unpickling;
-    the episodes (every verdict and decision so far) only when they changed since the last reply (``sent``: the
-    digest of the last ones shipped), else None: the training process keeps the ones it has. Where the platform has
+    the episodes only as what changed since the last reply (``sent``: its mark; the whole episodes the first time),
+    None when nothing did: the training process brings its copy up to date. Where the platform has
     no memfds, or the arrays are small (:data:`INLINE_SCORES_BYTES`: a few hundred ranks), they stay in the reply (no
     shipment)."""
-    digest = hashlib.blake2b(pickle.dumps(scored.episodes), digest_size=16).digest()
-    if sent and sent[0] == digest:
-        scored = dataclasses.replace(scored, episodes=None)
-    sent[:] = [digest]
+    changes, mark = scored.episodes.changes(sent[0] if sent else None)
+    scored = dataclasses.replace(scored, episodes=changes)
+    sent[:] = [mark]
     if not SHARED_MEMORY or sum(np.asarray(a).nbytes for a in scored.scores[:2]) <= INLINE_SCORES_BYTES:
         return scored, None
     arrays = [np.ascontiguousarray(a) for a in scored.scores[:2]]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 import time
@@ -18,7 +19,9 @@ import pytest
 from lightning_resilience.step.agreement import Gathered, frame
 from lightning_resilience.straggler import StragglerDetector
 from lightning_resilience.straggler.config import StragglerConfig
+from lightning_resilience.straggler.episodes import Episodes
 from lightning_resilience.straggler.exchange import StragglerGatherError, decode_payload, encode_payload
+from lightning_resilience.straggler.policy import StragglerFinding
 from lightning_resilience.straggler.scoring import ScoringProcess, ScoringThread
 from tests.straggler._sim import FakeClock
 
@@ -233,8 +236,7 @@ def test_the_scoring_process_dies_with_its_rank() -> None:
 def test_shared_blobs_go_by_descriptor_and_the_scores_come_back_mapped() -> None:
     """Rank 0's large blobs (received into shared memory) reach the scoring process by their descriptors, its own
     small record as bytes, in order; the scoreboard's N-wide arrays come back in shared memory the training process
-    maps (copy on write), not as a pickle it reads and unpickles under its interpreter lock; the episodes come back
-    only when they changed."""
+    maps (copy on write), not as a pickle it reads and unpickles under its interpreter lock."""
     import hashlib
     import mmap
 
@@ -246,11 +248,14 @@ def test_shared_blobs_go_by_descriptor_and_the_scores_come_back_mapped() -> None
     small = frame([(0, b"mine")])
     big = SharedBuffer.holding(frame([(r, b"%05d" % r * 40) for r in range(1, 2000)]))  # 400 KB
 
+    episodes = Episodes(StragglerConfig(), rank=0)
+
     def score(step: int, blobs: list[Any]) -> Scored:
         kinds = [type(b).__name__ for b in blobs]
         digest = hashlib.sha256(b"".join(blobs)).hexdigest()
         relative = np.arange(7 * 3000, dtype=np.float64).reshape(7, 3000) * step
-        episodes = {"verdicts": ["rank 7"] * (step // 5)}  # the same after steps 3 and 4, more after step 5
+        if step == 5:  # the same after steps 3 and 4, one more after step 5
+            episodes.verdicts.append(_finding(7, 5))
         return Scored([kinds, digest], episodes, step, step, (relative, relative + 1, 2.5))
 
     scorer = ScoringProcess(score, lambda: None, timeout_s=30)
@@ -261,9 +266,9 @@ def test_shared_blobs_go_by_descriptor_and_the_scores_come_back_mapped() -> None
         first, second, third = scorer.take(wait=True)
     finally:
         scorer.close()
-    # episodes that did not change are not sent again: the training process keeps the ones it read
-    assert first.episodes == {"verdicts": []} and second.episodes is first.episodes
-    assert third.episodes == {"verdicts": ["rank 7"]}
+    # the episodes come back as what changed in them: one copy in the training process, brought up to date in order
+    assert first.episodes is second.episodes is third.episodes and third.episodes is not episodes
+    assert third.episodes.verdicts == [_finding(7, 5)]
     assert first.decisions == [["bytes", "mmap"], hashlib.sha256(small + big[:]).hexdigest()]
     assert second.decisions[0] == ["bytes"]
     expected = np.arange(7 * 3000, dtype=np.float64).reshape(7, 3000) * 3
@@ -286,11 +291,12 @@ def test_a_large_exchange_is_handed_over_while_the_scorer_is_busy() -> None:
 
     ctx = multiprocessing.get_context("fork")
     release, entered = ctx.Event(), ctx.Event()
+    episodes = Episodes(StragglerConfig(), rank=0)
 
     def score(step: int, bodies: list[bytes]) -> Scored:
         entered.set()
         assert release.wait(30), "the scoring was never released"
-        return Scored([], None, step, step, (np.zeros(1), np.zeros(1), sum(map(len, bodies))))
+        return Scored([], episodes, step, step, (np.zeros(1), np.zeros(1), sum(map(len, bodies))))
 
     scorer = ScoringProcess(score, lambda: None, timeout_s=30)
     try:
@@ -328,9 +334,11 @@ def test_without_memfds_or_with_a_few_ranks_the_scores_come_back_in_the_reply(
     landed: list[Any] = []
     real = scoring._land_scores
     monkeypatch.setattr(scoring, "_land_scores", lambda *args: landed.append(args[2]) or real(*args))
+    episodes = Episodes(StragglerConfig(), rank=0)
 
     def score(step: int, blobs: list[Any]) -> Scored:
-        return Scored([], {"n": step}, step, step, (np.full((2, 3), float(step)), np.zeros((2, 3)), 1.0))
+        episodes.noise_level_count = step
+        return Scored([], episodes, step, step, (np.full((2, 3), float(step)), np.zeros((2, 3)), 1.0))
 
     scorer = ScoringProcess(score, lambda: None, timeout_s=30)
     try:
@@ -338,5 +346,41 @@ def test_without_memfds_or_with_a_few_ranks_the_scores_come_back_in_the_reply(
         (scored,) = scorer.take(wait=True)
     finally:
         scorer.close()
-    assert np.array_equal(scored.scores[0], np.full((2, 3), 7.0)) and scored.episodes == {"n": 7}
+    assert np.array_equal(scored.scores[0], np.full((2, 3), 7.0)) and scored.episodes.noise_level_count == 7
     assert landed == [None]  # no shared buffer came with the reply
+
+
+def _finding(rank: int, step: int) -> StragglerFinding:
+    return StragglerFinding(rank=rank, node=f"n{rank}", node_index=rank, section="compute", slowdown=1.02,
+                            score="relative", step=step, onset_step=step - 5)  # fmt: skip
+
+
+def test_the_episodes_travel_as_what_changed_never_the_runs_history() -> None:
+    """Between the scoring process and the training process: the whole episodes once, then what each exchange added
+    (a long run's thousands of noise-level confirmations are never sent, nor pickled, again); the copy ends equal."""
+    scorer = Episodes(StragglerConfig(), rank=0)
+    scorer.noise_level += [_finding(r % 64, 10 + r) for r in range(5000)]  # a long run's history
+    first, mark = scorer.changes(None)
+    assert first is not None
+    trained = pickle.loads(pickle.dumps(first)).apply_to(None)  # through the pipe
+    whole_bytes = len(pickle.dumps(first))
+    assert scorer.changes(mark) == (None, mark)  # nothing new: nothing sent
+    scorer.noise_level.append(_finding(3, 6000))
+    verdict = _finding(7, 6010)
+    scorer.verdicts.append(verdict)
+    scorer.ladder.start(verdict)  # an episode under way: the ladders (the rest) changed
+    changes, mark = scorer.changes(mark)
+    assert changes is not None and changes.rest is not None and changes.whole is None
+    sent = pickle.dumps(changes)
+    assert len(sent) < 4096 < whole_bytes // 50, (len(sent), whole_bytes)
+    trained = pickle.loads(sent).apply_to(trained)
+    assert (trained.verdicts, trained.noise_level, trained.active) == (scorer.verdicts, scorer.noise_level, [verdict])
+    scorer.ladder.end(7, "compute")
+    changes, mark = scorer.changes(mark)
+    assert changes is not None and (changes.verdicts, changes.noise_level, changes.decisions) == ([], [], [])
+    assert pickle.loads(pickle.dumps(changes)).apply_to(trained).active == []
+    scorer.verdicts.append(_finding(1, 6100))
+    later, _ = scorer.changes(mark)
+    assert later is not None and later.rest is None  # only a finding: the ladders are not sent again
+    with pytest.raises(RuntimeError, match="arrived after"):  # a reply lost on the way is never papered over
+        later.apply_to(Episodes(StragglerConfig(), rank=0))
