@@ -32,7 +32,7 @@ from lightning_resilience.sdc.reconcile import ReplicaReconciler
 from lightning_resilience.sdc.replay import BucketFingerprintHook, GradientReplayer, RngState, capture_rng
 from lightning_resilience.sdc.rounds import ReplayRound, RoundStep
 from lightning_resilience.sdc.stats import SDCStats
-from lightning_resilience.sdc.verdict import Diagnosis, SDCEvent, StepOutcome
+from lightning_resilience.sdc.verdict import Diagnosis, SDCEvent, StepOutcome, VerifiedSteps
 from lightning_resilience.step.driver import Field
 
 __all__ = ["SDCMonitor", "SDCStats", "StepOutcome"]
@@ -74,7 +74,7 @@ class SDCMonitor:
         self.reconciler = ReplicaReconciler(self.named_params, self.optimizers, self.digest)
         self.stats = SDCStats()
         self.events: list[SDCEvent] = []
-        self.verified_steps: set[int] = {0}
+        self.verified_steps = VerifiedSteps()
         """Steps (optimizer steps done) whose state was checked and found clean; 0 is the initial state."""
         self.suspects: dict[int, str] = {}
         """Suspect rank -> verdict that named it."""
@@ -385,8 +385,8 @@ class SDCMonitor:
         """Checkpoint metadata for ``step``: its verification state (:mod:`lightning_resilience.checkpoint.certify`):
         'verified' when a clean check covered it, 'rejected' when an unfixed corruption was found since the last
         one, else 'unverified'; and the older flag ``sdc_verified``."""
-        verified = step in self.verified_steps and not (self.dirty and step > max(self.verified_steps))
-        state = "verified" if verified else "rejected" if self.dirty and step > max(self.verified_steps) else None
+        verified = step in self.verified_steps and not (self.dirty and step > self.verified_steps.newest)
+        state = "verified" if verified else "rejected" if self.dirty and step > self.verified_steps.newest else None
         return {"verification": state or "unverified", "sdc_verified": verified}
 
     # ------------------------------------------------------------ collectives
@@ -416,7 +416,7 @@ class SDCMonitor:
         """Forget verdicts and verified steps after a rollback to ``step`` done in place (drills, benchmarks); the
         guard baselines are kept. Collective only in that every rank must call it."""
         self.events, self.suspects, self.dirty = [], {}, False
-        self.verified_steps = {step}
+        self.verified_steps = VerifiedSteps([step])
         self._force_reconcile = False
         self.reader.clear()
 
@@ -433,14 +433,14 @@ class SDCMonitor:
         self.dirty, self._force_reconcile, self._late_triggered, self._late_job_guard = False, False, False, False
         self.late_nonfinite_step, self.late_spike_step, self._next_fired = None, None, []
         self.late.clear()
-        self.verified_steps = {s for s in self.verified_steps if s <= step} | {step}
+        self.verified_steps.keep_until(step)
         self.reader.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"verified_steps": sorted(self.verified_steps)[-64:], "events": [e.to_json() for e in self.events]}
+        return {"verified_steps": self.verified_steps.newest_few(64), "events": [e.to_json() for e in self.events]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.verified_steps |= {int(s) for s in state.get("verified_steps", [])}
+        self.verified_steps = VerifiedSteps([*self.verified_steps, *state.get("verified_steps", [])])
 
     def close(self) -> None:
         """Release the side group (its gloo group is destroyed with the default group)."""

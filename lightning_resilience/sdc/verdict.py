@@ -5,13 +5,55 @@ A :class:`Diagnosis` classifies one check of one step; a diagnosis that leaves t
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
 from lightning_resilience.exit_codes import ExitCode
 
-__all__ = ["Diagnosis", "SDCEvent", "SilentDataCorruptionError", "StepOutcome"]
+__all__ = ["Diagnosis", "SDCEvent", "SilentDataCorruptionError", "StepOutcome", "VerifiedSteps"]
+
+
+class VerifiedSteps:
+    """The steps a clean check covered, in order. What a step asks of them (is this step verified, the newest, the
+    newest few for a checkpoint) costs the same at the run's first step and its millionth."""
+
+    def __init__(self, steps: Iterable[int] = (0,)) -> None:
+        self._members = {int(s) for s in steps}
+        self._order = sorted(self._members)
+
+    def add(self, step: int) -> None:
+        if step in self._members:
+            return
+        self._members.add(step)
+        if not self._order or step > self._order[-1]:
+            self._order.append(step)  # the common case: checks come in step order
+        else:
+            bisect.insort(self._order, step)
+
+    def keep_until(self, step: int) -> None:
+        """Forget the steps after ``step`` (a rollback to it), and take ``step`` itself as verified."""
+        while self._order and self._order[-1] > step:
+            self._members.discard(self._order.pop())
+        self.add(step)
+
+    @property
+    def newest(self) -> int:
+        return self._order[-1]
+
+    def newest_few(self, count: int) -> list[int]:
+        return self._order[-count:]
+
+    def __contains__(self, step: object) -> bool:
+        return step in self._members
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
 
 
 class Diagnosis(str, Enum):

@@ -13,7 +13,7 @@ from lightning_resilience.sdc.guards import Guards
 from lightning_resilience.sdc.inject import BIT_CLASSES, LOCATIONS, FlipSpec, bit_positions, flip_bit_
 from lightning_resilience.sdc.localize import Opinion, next_device, vote
 from lightning_resilience.sdc.monitor import SDCMonitor
-from lightning_resilience.sdc.verdict import Diagnosis
+from lightning_resilience.sdc.verdict import Diagnosis, VerifiedSteps
 from tests.sdc._loop import batches, make_model, train
 
 pytestmark = pytest.mark.timeout(60)
@@ -219,7 +219,7 @@ def test_config_names_the_bad_key() -> None:
 def test_clean_loop_many_steps_no_false_positive() -> None:
     _, _, monitor = train(40, SDCConfig(replay_every_n_steps=1, param_norm_every_n_steps=1))
     assert monitor is not None and monitor.events == [] and monitor.stats.replays == 40
-    assert monitor.verified_steps == set(range(41))
+    assert list(monitor.verified_steps) == list(range(41))
 
 
 @pytest.mark.parametrize("location", ["grad", "activation"])
@@ -342,3 +342,17 @@ def test_reconciler_agrees_on_a_hash_only_with_an_exact_digest(exact: bool) -> N
         with torch.no_grad():
             flip_bit_(next(model.parameters()).data.view(-1), 0, 3)
         assert digest_key(rec.local()[1]) != keys[0]
+
+
+def test_verified_steps_answer_a_step_from_their_order_and_a_rollback_forgets_the_later_ones() -> None:
+    """What every snapshot asks (is this step verified, the newest, the newest few) is read from the steps kept in
+    order, never by sorting or scanning the run's history; a rollback to a step forgets the later ones."""
+    steps = VerifiedSteps()
+    for step in (50, 100, 150, 75, 100):  # a check may cover a step out of order, or twice
+        steps.add(step)
+    assert list(steps) == [0, 50, 75, 100, 150] and steps.newest == 150 and len(steps) == 5
+    assert steps.newest_few(2) == [100, 150] and 75 in steps and 80 not in steps
+    steps.keep_until(90)  # rolled back to step 90: its state is the verified one now
+    assert list(steps) == [0, 50, 75, 90] and steps.newest == 90 and 100 not in steps
+    steps.add(120)
+    assert steps.newest_few(64) == [0, 50, 75, 90, 120]

@@ -189,7 +189,7 @@ class SDCVerification(Callback):
                     "resilience/sdc/recomputed": s.recomputed,
                     "resilience/sdc/replays": s.replays,
                     "resilience/sdc/guard_fires": sum(s.guard_fired.values()),
-                    "resilience/sdc/verified_step": max(self.monitor.verified_steps),
+                    "resilience/sdc/verified_step": self.monitor.verified_steps.newest,
                 },
             )
         self._logged_events = len(events)
@@ -213,7 +213,7 @@ class SDCVerification(Callback):
         self.rollback_step = self.monitor.rollback_target(self._committed_steps())
         diagnoses = {e.verdict for e in outcome.events}
         # the evidence reaches back to the last clean check: every later step is rejected, on every rank and tier
-        self._reject(max(self.monitor.verified_steps), f"SDC at step {outcome.step}: "
+        self._reject(self.monitor.verified_steps.newest, f"SDC at step {outcome.step}: "
                      f"{', '.join(sorted(d.value for d in diagnoses))}, suspects {outcome.suspects}")  # fmt: skip
         unfixable_device = bool(diagnoses & {Diagnosis.PERSISTENT, Diagnosis.INCONCLUSIVE})
         detail = (
@@ -314,7 +314,7 @@ class SDCVerification(Callback):
                 "ddp_fingerprint": s.fingerprint_seconds,
             },
             "suspects": {str(k): v for k, v in self.monitor.suspects.items()},
-            "newest_verified_step": max(self.monitor.verified_steps),
+            "newest_verified_step": self.monitor.verified_steps.newest,
             "rejected_steps": list(self.rejected_steps),
             "stopped": self.stopped,
             "rollback_step": self.rollback_step,

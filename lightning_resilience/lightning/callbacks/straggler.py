@@ -300,7 +300,8 @@ class StragglerDetection(Callback):
     # ------------------------------------------------------------------ state and report
     @override
     def state_dict(self) -> dict[str, Any]:
-        decisions = [d.to_dict() for d in self.detector.decisions] if self.detector is not None else []
+        # taken with every snapshot: the newest only, however many decisions a long run took
+        decisions = [d.to_dict() for d in self.detector.decisions[-100:]] if self.detector is not None else []
         return {"decisions": (self._previous + decisions)[-100:]}
 
     @override
