@@ -35,6 +35,7 @@ from typing import Any
 
 from lightning_resilience._configurable import ConfigError
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
+from lightning_resilience.checkpoint.filesystems import warn_unless_in_ram
 from lightning_resilience.checkpoint.format import MANIFEST, write_synced
 from lightning_resilience.checkpoint.layout import rank_dirname, rank_dirs, step_dirname, step_dirs
 from lightning_resilience.checkpoint.local import LocalTier
@@ -177,6 +178,7 @@ class PeerTier(LocalTier):
             per_node = identity.world_size  # an uneven job: treat it as one node, with nothing to replicate to
         self.placement = ReplicaPlacement(identity.world_size, per_node, self.replicas, self.replica_placement)
         self.root = Path(self.path_template.format(node=self.placement.node_of(identity.rank))).expanduser()
+        warn_unless_in_ram(self.root, f"tiers.{self.name}.path", "each copy it commits is written to that disk")
         if self.replicas and self.placement.replicas < self.replicas:
             log.warning(
                 "tiers.%s.replicas=%d but the job spans %d node(s): keeping %d peer copies",

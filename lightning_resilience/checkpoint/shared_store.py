@@ -5,7 +5,6 @@ its steps, and the whole steps that dead processes of the same run left there (*
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -14,42 +13,16 @@ from typing import TYPE_CHECKING
 
 from lightning_resilience.checkpoint import shared_memory as shm
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
+from lightning_resilience.checkpoint.filesystems import warn_unless_in_ram
 from lightning_resilience.checkpoint.snapshot import HostArena, HostSnapshot, ProcessBuffers, StagedSnapshot
 from lightning_resilience.checkpoint.tier import Durability, TierIdentity
 
 if TYPE_CHECKING:
     from lightning_resilience.checkpoint.memory import MemoryTier
 
-__all__ = ["RAM_FILESYSTEMS", "SharedBuffers", "SharedStore", "filesystem_type"]
+__all__ = ["SharedBuffers", "SharedStore"]
 
 log = logging.getLogger(__name__)
-
-RAM_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
-"""Filesystems whose files live in RAM: a snapshot there is never written back to a disk."""
-MOUNTINFO = Path("/proc/self/mountinfo")
-
-
-def filesystem_type(path: Path) -> str | None:
-    """The type of the filesystem ``path`` is on (its nearest existing ancestor; ``tmpfs``, ``ext4``...), read from
-    the mount table (:data:`MOUNTINFO`): the longest mount point above it. None where there is none (not Linux)."""
-    try:
-        lines = MOUNTINFO.read_text().splitlines()
-    except OSError:
-        return None
-    path = Path(os.path.abspath(path))
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    path = path.resolve()
-    best, found = -1, None
-    for line in lines:
-        fields, _, tail = line.partition(" - ")
-        parts = fields.split()
-        if len(parts) < 5 or not tail:
-            continue
-        point = Path(parts[4].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\"))
-        if (point == path or point in path.parents) and len(point.parts) >= best:  # a later mount hides an earlier
-            best, found = len(point.parts), tail.split()[0]
-    return found
 
 
 class SharedBuffers:
@@ -98,13 +71,7 @@ class SharedStore:
             )  # fmt: skip
             return None
         run_key, source = key
-        kind = filesystem_type(root)
-        if kind is not None and kind not in RAM_FILESYSTEMS:
-            log.warning(
-                "%s: shm_dir %s is on a %s filesystem, not in RAM: the kernel writes every snapshot's pages back to "
-                "the disk (steps stall on the writeback and the disk wears); set shm_dir to a tmpfs such as /dev/shm",
-                where, root, kind,
-            )  # fmt: skip
+        warn_unless_in_ram(root, f"tiers.{tier.name}.shm_dir", "the kernel writes every snapshot's pages back to it")
         directory = shm.rank_directory(root, run_key, identity.rank)
         try:
             shm.sweep_stale_runs(root, run_key)

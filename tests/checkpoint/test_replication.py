@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_resilience.checkpoint import filesystems
 from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.local import LocalTier, step_dirname
 from lightning_resilience.checkpoint.manager import CheckpointManager
@@ -179,3 +181,27 @@ def test_spread_placement_spaces_copies_evenly() -> None:
         assert all(rank in p3.targets(s) for s in p3.sources(rank))
     with pytest.raises(ValueError, match=r"tiers\.peer\.placement must be one of \['ring', 'spread'\]"):
         PeerTierConfig(placement="random")
+
+
+def test_a_peer_path_on_a_disk_is_used_and_said_to_be_one(
+    tmp_path: Path, managers: list[CheckpointManager], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The peer tier's node copies belong in RAM: a path on a disk filesystem (the mount table says which) is used as
+    set, and said with the setting and the filesystem's type; a tmpfs is not."""
+    (tmp_path / "ram").mkdir()
+    table = tmp_path / "mountinfo"
+    table.write_text(f"22 1 0:1 / / rw - ext4 /dev/vda rw\n25 22 0:23 / {tmp_path / 'ram'} rw - tmpfs tmpfs rw\n")
+    monkeypatch.setattr(filesystems, "MOUNTINFO", table)
+    for where, said in ((tmp_path / "disk", True), (tmp_path / "ram", False)):
+        caplog.clear()
+        tier = PeerTier(where / "node{node}", every_n_steps=1, keep=2)
+        manager = CheckpointManager([tier])
+        with caplog.at_level(logging.WARNING):
+            manager.setup()
+        managers.append(manager)
+        warned = [r.getMessage() for r in caplog.records if "not in RAM" in r.getMessage()]
+        assert len(warned) == said and all(
+            w.startswith(f"tiers.peer.path={where / 'node0'} is on a ext4") for w in warned
+        )
+        manager.on_step(1, state_at(1))
+        assert manager.wait() and tier.list_steps() == [1]  # used either way

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_resilience.checkpoint import host_copy, shared_store
+from lightning_resilience.checkpoint import filesystems, host_copy
 from lightning_resilience.checkpoint import shared_memory as shm
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.manager import CheckpointManager
@@ -402,9 +402,9 @@ def test_a_shm_dir_on_a_disk_is_used_and_said_to_be_one(
         f"25 22 0:23 / {ram} rw,relatime - tmpfs tmpfs rw\n"
         f"26 22 0:24 / {str(spaced).replace(' ', chr(92) + '040')} rw - tmpfs tmpfs rw\n"
     )
-    monkeypatch.setattr(shared_store, "MOUNTINFO", table)
-    assert shared_store.filesystem_type(tmp_path / "disk" / "not yet") == "ext4"
-    assert shared_store.filesystem_type(ram / "not yet") == shared_store.filesystem_type(spaced) == "tmpfs"
+    monkeypatch.setattr(filesystems, "MOUNTINFO", table)
+    assert filesystems.filesystem_type(tmp_path / "disk" / "not yet") == "ext4"
+    assert filesystems.filesystem_type(ram / "not yet") == filesystems.filesystem_type(spaced) == "tmpfs"
     for where, said in ((tmp_path / "disk", True), (ram, False), (spaced, False)):
         caplog.clear()
         with caplog.at_level(logging.WARNING):
@@ -413,8 +413,8 @@ def test_a_shm_dir_on_a_disk_is_used_and_said_to_be_one(
         manager.wait_snapshot()
         warned = [r.getMessage() for r in caplog.records if "not in RAM" in r.getMessage()]
         assert bool(warned) is said, (where, warned)
-        assert not said or ("on a ext4 filesystem" in warned[0] and str(where) in warned[0])
+        assert not said or (f"tiers.memory.shm_dir={where} is on a ext4 filesystem" in warned[0])
         assert _committed(where) == [1]  # used either way
         manager.close(finished=False)
-    monkeypatch.setattr(shared_store, "MOUNTINFO", tmp_path / "no such table")
-    assert shared_store.filesystem_type(tmp_path) is None
+    monkeypatch.setattr(filesystems, "MOUNTINFO", tmp_path / "no such table")
+    assert filesystems.filesystem_type(tmp_path) is None
