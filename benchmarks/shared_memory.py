@@ -259,12 +259,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    from lightning_resilience.checkpoint.filesystems import RAM_FILESYSTEMS, filesystem_type
     from recipes._gpt import gpt_preset
 
     torch.set_num_threads(args.threads)
     cfg = dict(gpt_preset(args.preset))
-    from lightning_resilience.checkpoint.filesystems import RAM_FILESYSTEMS, filesystem_type
-
     # the shared buffers where a job keeps them (a RAM filesystem): in a directory on a disk the kernel would write
     # each step's pages back to it, and the steps would wait on the writeback
     shm_fs = filesystem_type(Path(args.shm_dir))

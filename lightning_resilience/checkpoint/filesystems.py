@@ -7,13 +7,20 @@ import logging
 import os
 from pathlib import Path
 
-__all__ = ["MOUNTINFO", "RAM_FILESYSTEMS", "filesystem_type", "warn_unless_in_ram"]
+__all__ = ["MOUNTINFO", "RAM_FILESYSTEMS", "existing_ancestor", "filesystem_type", "warn_unless_in_ram"]
 
 log = logging.getLogger(__name__)
 
 RAM_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 """Filesystems whose files live in RAM: a snapshot there is never written back to a disk."""
 MOUNTINFO = Path("/proc/self/mountinfo")
+
+
+def existing_ancestor(path: Path) -> Path:
+    """``path`` if it exists, else its nearest ancestor that does (a directory a tier creates later)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def filesystem_type(path: Path) -> str | None:
@@ -23,10 +30,7 @@ def filesystem_type(path: Path) -> str | None:
         lines = MOUNTINFO.read_text().splitlines()
     except OSError:
         return None
-    path = Path(os.path.abspath(path))
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    path = path.resolve()
+    path = existing_ancestor(Path(os.path.abspath(path))).resolve()
     best, found = -1, None
     for line in lines:
         fields, _, tail = line.partition(" - ")

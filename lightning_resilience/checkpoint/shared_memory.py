@@ -39,6 +39,7 @@ from typing import Any, cast
 
 import torch
 
+from lightning_resilience.checkpoint.filesystems import existing_ancestor
 from lightning_resilience.rundir import RUN_DIR_ENV
 
 __all__ = [
@@ -136,9 +137,7 @@ def rank_directory(shm_dir: Path, run_key: str, rank: int) -> Path:
 
 def free_bytes(path: Path) -> int:
     """Bytes a new buffer may take in the filesystem of ``path`` (its nearest existing ancestor)."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
+    return shutil.disk_usage(existing_ancestor(path)).free
 
 
 # --------------------------------------------------------------------------------------------------- segments

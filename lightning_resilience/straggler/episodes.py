@@ -51,12 +51,7 @@ class EpisodeChanges:
             return self.whole
         if episodes is None:
             raise RuntimeError("straggler: episode changes arrived before the episodes they follow")
-        v, n, d = self.start
-        _extend(episodes.verdicts, v, self.verdicts)
-        _extend(episodes.noise_level, n, self.noise_level)
-        _extend(episodes.decisions, d, self.decisions)
-        if self.rest is not None:
-            episodes._set_rest(self.rest)
+        episodes.merge(self)
         return episodes
 
 
@@ -104,11 +99,17 @@ class Episodes:
         )
         return changes, now
 
+    def merge(self, changes: EpisodeChanges) -> None:
+        """Take ``changes`` made to the copy this one follows (the scoring process's)."""
+        v, n, d = changes.start
+        _extend(self.verdicts, v, changes.verdicts)
+        _extend(self.noise_level, n, changes.noise_level)
+        _extend(self.decisions, d, changes.decisions)
+        if changes.rest is not None:
+            self.noise_level_count, self.should_stop, self.stop_decision, self.ladder, self.job_ladder = changes.rest
+
     def _rest(self) -> tuple[Any, ...]:
         return self.noise_level_count, self.should_stop, self.stop_decision, self.ladder, self.job_ladder
-
-    def _set_rest(self, rest: tuple[Any, ...]) -> None:
-        self.noise_level_count, self.should_stop, self.stop_decision, self.ladder, self.job_ladder = rest
 
     @property
     def active(self) -> list[StragglerFinding]:

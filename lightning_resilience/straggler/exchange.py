@@ -120,18 +120,22 @@ class Table:
 
     def measured(self, sections: Sequence[str]) -> np.ndarray:
         """Per sample, whether every rank measured every one of ``sections`` (a value >= 0; not NaN)."""
-        if not set(sections) <= set(self.sections):
-            return np.zeros(self.times.shape[1], dtype=bool)
-        picked = self.times[:, :, [self.sections.index(name) for name in sections]]
-        return np.asarray((picked >= 0).all(axis=(0, 2)))
+        picked = self._picked(sections, 0, None)
+        return (
+            np.zeros(self.times.shape[1], dtype=bool) if picked is None else np.asarray((picked >= 0).all(axis=(0, 2)))
+        )
 
     def block(self, start: int, sections: Sequence[str], stop: int | None = None) -> np.ndarray | None:
         """Every rank's seconds of ``sections`` at the samples from ``start`` (up to ``stop``): samples x sections x
         ranks (None: no rank sent one of them)."""
+        picked = self._picked(sections, start, stop)
+        return None if picked is None else np.ascontiguousarray(picked.transpose(1, 2, 0))
+
+    def _picked(self, sections: Sequence[str], start: int, stop: int | None) -> np.ndarray | None:
+        """ranks x samples x ``sections`` (None: no rank sent one of them)."""
         if not set(sections) <= set(self.sections):
             return None
-        picked = self.times[:, start:stop, [self.sections.index(name) for name in sections]]
-        return np.ascontiguousarray(picked.transpose(1, 2, 0))
+        return self.times[:, start:stop, [self.sections.index(name) for name in sections]]
 
 
 _Block = tuple[np.ndarray, np.ndarray, list[str], tuple[str, ...], np.ndarray, np.ndarray]

@@ -45,6 +45,7 @@ import numpy as np
 
 from lightning_resilience._lifetime import die_with_parent
 from lightning_resilience.links import SHARED_MEMORY, Blob, SharedBuffer
+from lightning_resilience.straggler.episodes import EpisodeMark
 from lightning_resilience.straggler.exchange import StragglerGatherError
 
 __all__ = ["Scored", "Scorer", "ScoringProcess", "ScoringThread", "open_scorer"]
@@ -255,7 +256,7 @@ def _serve(conn: Any, parent_end: Any, score: ScoreFn, state: StateFn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which closes this process
     code = 0
     sock = socket.socket(fileno=os.dup(conn.fileno()))
-    sent: list[Any] = []  # the mark of the episodes last shipped
+    sent: list[EpisodeMark] = []  # the mark of the episodes last shipped
     try:
         while True:
             try:
@@ -327,7 +328,7 @@ class _Shipped:
     shapes: list[tuple[tuple[int, ...], str]]
 
 
-def _ship_scores(scored: Scored, sent: list[bytes]) -> tuple[Scored, _Shipped | None]:
+def _ship_scores(scored: Scored, sent: list[EpisodeMark]) -> tuple[Scored, _Shipped | None]:
     """In the scoring process: the score arrays (sections x ranks, megabytes at thousands of ranks) out of the
     pickled reply and into one shared buffer, which the training process maps instead of reading and unpickling;
     the episodes only as what changed since the last reply (``sent``: its mark; the whole episodes the first time),
