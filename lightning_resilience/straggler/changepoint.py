@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_resilience.straggler.scores import nanmedian
+from lightning_resilience.straggler.scores import into_ring, nanmedian
 
 __all__ = ["MIN_HISTORY", "ChangePointEvents", "RobustCusum"]
 
@@ -171,21 +171,24 @@ class RobustCusum:
         y = np.log(slowdown)
         testable = self.scale > 0
         z = np.clip((y - self.allowance) / np.where(testable, self.scale, 1.0), -self.clip, self.clip)
-        sums, cusum = [], self.cusum
-        for row in z:  # the recursion, step by step (the same rounding as update)
-            cusum = np.where(testable, np.maximum(0.0, cusum + row), cusum)
-            sums.append(cusum)
-        if any(bool((c >= self.threshold).any()) for c in sums):
+        count = len(steps)
+        sums = np.empty((count, self.world_size))
+        cusum = self.cusum
+        for t in range(count):  # the recursion, step by step (the same rounding as update)
+            cusum = sums[t] = np.where(testable, np.maximum(0.0, cusum + z[t]), cusum)
+        if (sums >= self.threshold).any():
             return False
-        every = np.arange(self.world_size)
-        for t, step in enumerate(steps):
-            self._recent[self._recent_idx % self.confirm_steps, every] = y[t]
-            self._recent_idx += 1
-            self.last_zero[sums[t] == 0.0] = step
-            self._hist[every, self._hist_idx % self.window] = y[t]
-            self._hist_idx += 1
+        # the samples into each series' rings at once (only the newest that a ring holds: no slot written twice)
+        into_ring(self._recent.T, self._recent_idx, y)
+        self._recent_idx += count
+        into_ring(self._hist, self._hist_idx, y)
+        self._hist_idx += count
+        zero = sums == 0.0
+        hit = zero.any(axis=0)
+        newest = count - 1 - np.argmax(zero[::-1], axis=0)  # the last sample at which each CUSUM was zero
+        self.last_zero[hit] = np.asarray(steps, dtype=np.int64)[newest[hit]]
         self.cusum = cusum
-        self._updates += len(steps)
+        self._updates += count
         if self._updates % MIN_HISTORY == 0:
             self._refresh_scale()
         return True

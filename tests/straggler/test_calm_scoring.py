@@ -13,7 +13,7 @@ from lightning_resilience.step.agreement import frame
 from lightning_resilience.straggler.config import StragglerConfig
 from lightning_resilience.straggler.detector import StragglerDetector
 from lightning_resilience.straggler.exchange import decode_gathered, encode_payload
-from lightning_resilience.straggler.scores import leave_one_out_complete, leave_one_out_reference
+from lightning_resilience.straggler.scores import into_ring, leave_one_out_complete, leave_one_out_reference
 from tests.straggler._sim import Cluster, jitter_cost
 
 STEPS = 400
@@ -33,6 +33,13 @@ def _state(det: StragglerDetector) -> dict[str, Any]:
         "last_zero": board.cusum.last_zero,
         "flagged": board.cusum.flagged,
         "best": board.baseline.best,
+        # the rings the noise scales, the confirmations and the levels are read from (written at once when calm)
+        "recent": board.cusum._recent,
+        "recent_written": board.cusum._recent_idx,
+        "hist": board.cusum._hist,
+        "hist_written": board.cusum._hist_idx,
+        "levels": board.baseline._ring,
+        "levels_written": board.baseline._count,
         "history_steps": np.array([s for s, _ in det.history]),
         "history": np.array([[v for _, v in sorted(h.items())] for _, h in det.history]),
     }
@@ -142,3 +149,17 @@ def test_a_sample_not_measured_is_scored_alone_and_the_rest_of_its_exchange_stil
             assert np.array_equal(value, _state(b)[name], equal_nan=True), name
     calm_before_onset = (250 - config.warmup_steps - len(pauses)) * 3  # every measured sample of the calm part
     assert taken >= calm_before_onset * 9 // 10, f"only {taken} samples went the calm way"
+
+
+@pytest.mark.parametrize("count", [1, 3, 5, 8, 13])
+def test_samples_written_into_rings_at_once_land_where_one_write_each_puts_them(count: int):
+    rng = np.random.default_rng(count)
+    slots, series = 5, 4
+    written = rng.integers(0, 20, size=series)  # the series have written different numbers of samples so far
+    samples = rng.random((count, series))
+    one_by_one = np.full((series, slots), np.nan)
+    at_once = one_by_one.copy()
+    for t in range(count):
+        one_by_one[np.arange(series), (written + t) % slots] = samples[t]
+    into_ring(at_once, written, samples)
+    np.testing.assert_array_equal(at_once, one_by_one)
