@@ -35,7 +35,7 @@ def nanmedian(a: np.ndarray, axis: int) -> np.ndarray:
         return 0.5 * (ordered.take((n - 1) // 2, axis=axis) + ordered.take(n // 2, axis=axis))
     k = np.expand_dims(np.count_nonzero(~np.isnan(a), axis=axis), axis)
     lo = np.take_along_axis(ordered, ((k - 1) // 2).clip(min=0), axis=axis)
-    hi = np.take_along_axis(ordered, (k // 2).clip(max=max(a.shape[axis] - 1, 0)), axis=axis)
+    hi = np.take_along_axis(ordered, (k // 2).clip(max=max(n - 1, 0)), axis=axis)
     return np.where(k > 0, 0.5 * (lo + hi), np.nan).squeeze(axis)
 
 
