@@ -45,7 +45,8 @@ MODULE = "benchmarks.exchange_rank0"
 TITLE = "Rank 0's training process during the straggler exchange at 1k to 16k ranks"
 DEFAULT_OUT = str(bench.RESULTS_DIR / "exchange_rank0.json")
 README_PENDING = f"**{TITLE}**: no result yet (`python -m {MODULE}` on a quiet machine)."
-RANKS = (1024, 4096, 16384)
+RANKS = (16, 1024, 4096, 16384)
+"""16 ranks is the reference: a few KB reach rank 0, so what an exchange adds there is what it costs whatever N."""
 BLOCK = 50
 CHILD = Path(__file__).with_name("_exchange_rank0_child.py")
 GOAL_MS = 1.0
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     machine = bench.machine_info()
     bench.check_load_at_start(machine, allow=args.allow_loaded, quick=args.quick, name=MODULE)
     since, started = bench.cpu_counters(), time.perf_counter()
-    ranks = (1024, 4096) if args.quick else RANKS
+    ranks = (16, 1024) if args.quick else RANKS
     reps, steps = (1, 2 * BLOCK) if args.quick else (args.reps, args.blocks * 2 * BLOCK)
     trees = {"this tree": bench.REPO_ROOT} | ({"baseline": Path(args.baseline_tree)} if args.baseline_tree else {})
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {t: {n: [] for n in ranks} for t in trees}
@@ -182,6 +183,8 @@ def render_markdown(result: dict[str, Any]) -> str:
             "",
             bench.targets_table(result["targets"], digits=3),
             "",
+            _growth(result),
+            "",
             "*Added an exchange*: per exchange period (10 steps), the time the training thread spent in the "
             "detector's calls plus the time its slices of work were held up (beyond twice their usual length: by "
             "the interpreter lock another thread of the process holds, or by the scheduler) with the detector on, "
@@ -195,6 +198,18 @@ def render_markdown(result: dict[str, Any]) -> str:
             "process's work on one exchange (reading the blobs, scoring its 10 steps), timed on fresh exchanges "
             "after each run; it must stay under the time between two exchanges, or exchanges queue.",
         ]
+    )
+
+
+def _growth(result: dict[str, Any]) -> str:
+    """What the largest job adds over the smallest, this tree's (the part of an exchange that grows with N)."""
+    by_n = result["arms"]["this tree"]
+    small, large = (str(n) for n in (result["config"]["ranks"][0], result["config"]["ranks"][-1]))
+    fixed, grown = by_n[small]["added_per_exchange_s"] * 1e3, by_n[large]["added_per_exchange_s"] * 1e3
+    return (
+        f"At {int(small):,} ranks ({by_n[small]['bytes_at_rank0'] / 1e3:.0f} KB reach rank 0) an exchange adds "
+        f"{fixed:.1f} ms: what it costs rank 0 at any N (its calls on the 10 steps, the hand-over to the scorer, "
+        f"the reply read back). From {int(small):,} to {int(large):,} ranks it grows by {grown - fixed:+.1f} ms."
     )
 
 

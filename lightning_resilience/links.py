@@ -23,8 +23,10 @@ Errors: a peer that closed its end raises :class:`ConnectionError`; a wait past 
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
+import select
 import socket
 import struct
 import time
@@ -144,7 +146,6 @@ class TcpLinks:
         if peer == self.rank:
             raise ValueError(f"links {self.prefix!r}: rank {peer} cannot link to itself")
         sock = self._connect(peer, end) if peer < self.rank else self._accept(peer, end)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._peers[peer] = sock
         return sock
 
@@ -160,7 +161,8 @@ class TcpLinks:
                 host, port = self.store.get(self._key(peer)).decode().rsplit(":", 1)
                 sock = socket.create_connection((host, int(port)), timeout=max(left, 1e-3))
                 try:
-                    sock.sendall(_HELLO.pack(_MAGIC, self.rank, self._token))
+                    _ready_link(sock)
+                    _send_all(sock, _HELLO.pack(_MAGIC, self.rank, self._token), end, "greeting", peer)
                     answer = _HELLO.unpack(_recv_exact(sock, _HELLO.size, end, who=peer))
                 except OSError:
                     sock.close()
@@ -189,6 +191,7 @@ class TcpLinks:
             except TimeoutError as err:
                 raise TimeoutError(f"links {self.prefix!r}: rank {peer} did not connect in time") from err
             try:
+                _ready_link(sock)
                 hello_end = min(end, time.monotonic() + _HELLO_S)  # a silent stranger holds the accept no longer
                 magic, who, token = _HELLO.unpack(_recv_exact(sock, _HELLO.size, hello_end, who=-1))
             except (OSError, struct.error):
@@ -197,8 +200,8 @@ class TcpLinks:
             if magic != _MAGIC or token != self._token or who <= self.rank or who in self._peers:
                 sock.close()  # not one of this group's peers (a stale address reached by another job's rank)
                 continue
-            try:
-                sock.sendall(_HELLO.pack(_MAGIC, self.rank, self._token))  # the connector checks whom it reached
+            try:  # the connector checks whom it reached
+                _send_all(sock, _HELLO.pack(_MAGIC, self.rank, self._token), hello_end, "greeting", who)
             except OSError:
                 sock.close()
                 continue
@@ -208,12 +211,7 @@ class TcpLinks:
     # ------------------------------------------------------------------ messages
     def send(self, peer: int, data: bytes | memoryview, end: float) -> None:
         """Send ``data`` to ``peer`` (delivered to its kernel buffers when this returns), by ``end`` (monotonic)."""
-        sock = self._peer(peer, end)
-        sock.settimeout(max(end - time.monotonic(), 1e-3))
-        try:
-            sock.sendall(data)
-        except OSError as err:
-            raise _failed(f"links {self.prefix!r}: sending to", peer, err) from err
+        _send_all(self._peer(peer, end), data, end, f"links {self.prefix!r}: sending to", peer)
 
     def recv(self, peer: int, n: int, end: float) -> bytes:
         """``n`` bytes from ``peer`` by ``end`` (monotonic)."""
@@ -272,12 +270,46 @@ def _failed(what: str, who: int, err: OSError) -> OSError:
     return ConnectionError(f"rank {who} is gone ({err})")
 
 
+def _ready_link(sock: socket.socket) -> None:
+    """A connected link as every call here uses it: small messages sent at once (no Nagle delay), and never blocking
+    (a call tries its send or receive first and waits in ``poll`` only when the kernel has nothing for it)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setblocking(False)
+
+
+def _wait(sock: socket.socket, event: int, end: float, what: str, who: int) -> None:
+    """Wait, until ``end``, for ``sock`` to be readable or writable (``event``); a hang-up or an error also ends the
+    wait (the next call on the socket says which)."""
+    left = end - time.monotonic()
+    waiter = select.poll()
+    waiter.register(sock, event)
+    if left <= 0 or not waiter.poll(max(1, math.ceil(left * 1e3))):
+        raise _failed(what, who, TimeoutError())
+
+
+def _send_all(sock: socket.socket, data: bytes | memoryview, end: float, what: str, who: int) -> None:
+    """All of ``data`` into the kernel's buffers for ``who`` by ``end``: a send that fits goes in one call (one
+    release of the interpreter lock, where a socket with a timeout takes three: set the timeout, poll, send)."""
+    with memoryview(data) as whole, whole.cast("B") as view:
+        sent = 0
+        while sent < len(view):
+            try:
+                sent += sock.send(view[sent:])
+            except BlockingIOError:
+                _wait(sock, select.POLLOUT, end, what, who)
+            except OSError as err:
+                raise _failed(what, who, err) from err
+
+
 def _recv_into(sock: socket.socket, buf: memoryview, end: float, *, who: int) -> None:
+    """Fill ``buf`` from ``who`` by ``end``: what has arrived is read at once, a wait in ``poll`` only for the rest."""
     got = 0
     while got < len(buf):
-        sock.settimeout(max(end - time.monotonic(), 1e-3))
         try:
             n = sock.recv_into(buf[got:])
+        except BlockingIOError:
+            _wait(sock, select.POLLIN, end, "no message from", who)
+            continue
         except OSError as err:
             raise _failed("no message from", who, err) from err
         if n == 0:

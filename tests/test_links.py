@@ -3,6 +3,7 @@ refused, every wait is bounded, a peer that goes is an error at once; a tcp side
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import threading
@@ -116,6 +117,64 @@ def test_a_connector_that_reaches_another_listener_reads_the_address_again() -> 
         links.close()
 
 
+def test_every_link_sends_small_messages_at_once_and_never_blocks_even_one_accepted_early() -> None:
+    """Rank 0 waits for rank 2 and accepts rank 1 first (kept for its turn): both links send without Nagle's delay
+    and are non-blocking, as the connectors' are."""
+    store = dist.HashStore()
+    low = TcpLinks(store, "g/5", 0, host="127.0.0.1")
+    one, two = TcpLinks(store, "g/5", 1, host="127.0.0.1"), TcpLinks(store, "g/5", 2, host="127.0.0.1")
+    first = threading.Thread(target=lambda: one.send(0, b"one", _end()))
+    first.start()
+    pending = select.poll()
+    pending.register(low._listener, select.POLLIN)
+    assert pending.poll(10_000)  # rank 1's connection waits in the backlog before rank 2's: accepted first
+    second = threading.Thread(target=lambda: two.send(0, b"two", _end()))
+    second.start()
+    assert low.recv(2, 3, _end()) == b"two" and low.recv(1, 3, _end()) == b"one"
+    for thread in (first, second):
+        thread.join(10)
+    for links in (low, one, two):
+        for sock in links._peers.values():
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) and sock.gettimeout() == 0.0
+        links.close()
+
+
+def test_a_message_that_has_arrived_is_read_and_one_that_fits_is_sent_without_a_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each release of the interpreter lock on the agreement's thread is one the training thread may be made to wait
+    for: what the kernel already holds (or has room for) takes one call, no poll; only a message still on its way
+    waits in poll."""
+    from lightning_resilience import links as links_module
+
+    store = dist.HashStore()
+    low, high = TcpLinks(store, "g/6", 0, host="127.0.0.1"), TcpLinks(store, "g/6", 1, host="127.0.0.1")
+    connected = threading.Thread(target=lambda: high.send(0, b"hello", _end()))
+    connected.start()
+    assert low.recv(1, 5, _end()) == b"hello"
+    connected.join(10)
+    waits: list[int] = []
+    real = links_module._wait
+
+    def wait(sock: Any, event: int, *rest: Any) -> None:
+        waits.append(event)
+        if waits == [select.POLLIN]:  # the receive found nothing: the message leaves now, while it waits for it
+            high.send(0, b"later", _end())
+        real(sock, event, *rest)
+
+    monkeypatch.setattr(links_module, "_wait", wait)
+    high.exchange(b"x" * 100, [0], [], _end())
+    arrived = select.poll()
+    arrived.register(low._peers[1], select.POLLIN)
+    assert arrived.poll(10_000)  # delivered (one segment on loopback): the receive below finds all of it there
+    assert low.exchange(None, [], [1], _end()) == [b"x" * 100]
+    assert waits == []
+    assert low.recv(1, 5, _end()) == b"later"  # not there yet: one wait in poll, then read
+    assert waits and set(waits) == {select.POLLIN}
+    low.close()
+    high.close()
+
+
 def test_a_peer_that_never_connects_is_a_timeout_and_one_that_closes_an_error() -> None:
     store = dist.HashStore()
     parent = TcpLinks(store, "g/2", 0, host="127.0.0.1")
@@ -140,8 +199,8 @@ class _Trickle:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
 
-    def settimeout(self, value: float) -> None:
-        self.sock.settimeout(value)
+    def fileno(self) -> int:
+        return self.sock.fileno()
 
     def recv_into(self, buf: Any) -> int:
         return self.sock.recv_into(memoryview(buf)[:3])

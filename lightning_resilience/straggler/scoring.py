@@ -8,13 +8,13 @@ measured on 2 CPU ranks, 3 ms per exchange of 10 steps, about 0.3 ms a step of a
 own interpreter: the training process only sends the exchanged bytes and reads back the decisions.
 
 Both places take the same calls (:class:`Scorer`): ``submit`` an exchange as it reached rank 0 (the gathered
-blobs, unparsed; never waiting: a thread of the training process hands them to the scoring process, the large ones
-received into shared memory by their descriptors, the others written to the pipe as they are; nothing is copied or
-pickled under the interpreter lock), ``take`` the finished ones in order (never waiting unless asked),
-``state`` for the report, ``close``. The process is forked from the training process before the first exchange
-(at setup), so it starts with the detector as it is then and never imports anything; it dies with its parent
-(``PR_SET_PDEATHSIG`` on Linux, and the closed pipe everywhere), ignores the signals the training process handles,
-and every wait on it has a deadline.
+blobs, unparsed; never waiting: a thread of the training process hands them to the scoring process in one or two
+sends, the large ones received into shared memory by their descriptors, the small ones inside the first message; no
+large blob is copied or pickled under the interpreter lock), ``take`` the finished ones in order (never waiting
+unless asked), ``state`` for the report, ``close``. The process is forked from the training process before the first
+exchange (at setup), so it starts with the detector as it is then and never imports anything; it dies with its
+parent (``PR_SET_PDEATHSIG`` on Linux, and the closed pipe everywhere), ignores the signals the training process
+handles, and every wait on it has a deadline.
 """
 
 from __future__ import annotations
@@ -284,30 +284,43 @@ def _serve(conn: Any, parent_end: Any, score: ScoreFn, state: StateFn) -> None:
         os._exit(code)
 
 
+_INLINE, _SHARED, _AFTER = 0, 1, 2
+"""How :func:`_send_blobs` sends a blob: in its first message (below :data:`INLINE_BLOB_BYTES`), by descriptor (a
+:class:`SharedBuffer`), or as a message of its own after the descriptors (a large one where there is no shared
+memory)."""
+INLINE_BLOB_BYTES = 1 << 16
+"""Blobs below this size travel inside the exchange's first message: a copy of a few KB costs less than a send of
+its own, each send being a release and a retake of the interpreter lock that the training thread may wait for."""
+
+
 def _send_blobs(conn: Any, sock: socket.socket, step: int, blobs: Sequence[Blob]) -> None:
-    """One exchange to the scoring process: which blobs come how, the shared ones' descriptors (one message, the
-    kernel passes them: megabytes at thousands of ranks, never copied), then the others' bytes as they are."""
-    shared = [b.fd for b in blobs if isinstance(b, SharedBuffer)]
-    conn.send(("score", step, [isinstance(b, SharedBuffer) for b in blobs]))
-    if shared:
-        reduction.sendfds(sock, shared)
-    for blob in blobs:
-        if not isinstance(blob, SharedBuffer):
+    """One exchange to the scoring process, in two sends at most at any number of ranks: one message with which
+    blobs come how and the small ones' bytes, then the shared ones' descriptors (the kernel passes them: megabytes at
+    thousands of ranks, never copied); only a large blob where the platform has no shared memory follows as it is."""
+    kinds = [
+        _SHARED if isinstance(b, SharedBuffer) else _INLINE if len(b) < INLINE_BLOB_BYTES else _AFTER for b in blobs
+    ]
+    conn.send(("score", step, kinds, [b for b, kind in zip(blobs, kinds) if kind == _INLINE]))
+    if _SHARED in kinds:
+        reduction.sendfds(sock, [b.fd for b in blobs if isinstance(b, SharedBuffer)])
+    for blob, kind in zip(blobs, kinds):
+        if kind == _AFTER:
             conn.send_bytes(blob)
 
 
 def _score_received(conn: Any, sock: socket.socket, message: tuple[Any, ...], score: ScoreFn) -> Scored:
     """In the scoring process: read one exchange as :func:`_send_blobs` sent it, score it, let the mappings go."""
-    kinds: list[bool] = message[2]
-    fds = reduction.recvfds(sock, sum(kinds)) if any(kinds) else []
+    kinds: list[int] = message[2]
+    fds = reduction.recvfds(sock, kinds.count(_SHARED)) if _SHARED in kinds else []
     maps = []
     for fd in fds:
         try:
             maps.append(mmap.mmap(fd, 0, prot=mmap.PROT_READ))
         finally:
             os.close(fd)
-    shared = iter(maps)
-    blobs = [next(shared) if kind else conn.recv_bytes() for kind in kinds]
+    shared, inline = iter(maps), iter(message[3])
+    blobs = [next(shared) if kind == _SHARED else next(inline) if kind == _INLINE else conn.recv_bytes()
+             for kind in kinds]  # fmt: skip
     try:
         return score(message[1], blobs)
     finally:

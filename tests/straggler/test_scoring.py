@@ -282,6 +282,35 @@ def test_shared_blobs_go_by_descriptor_and_the_scores_come_back_mapped() -> None
     assert np.array_equal(second.scores[0], expected / 3 * 4)
 
 
+def test_an_exchange_of_small_blobs_is_one_send_to_the_scoring_process() -> None:
+    """The sender thread's sends each release and retake the interpreter lock, which the training thread may be made
+    to wait for: an exchange's small blobs ride in its first message; only a large one without shared memory follows
+    on its own."""
+    from lightning_resilience.straggler import scoring
+
+    class Conn:
+        def __init__(self) -> None:
+            self.sent: list[Any] = []
+
+        def send(self, message: Any) -> None:
+            self.sent.append(message)
+
+        def send_bytes(self, data: bytes) -> None:
+            self.sent.append(("bytes", len(data)))
+
+    small = [frame([(r, b"%05d" % r * 40)]) for r in range(4)]
+    conn = Conn()
+    scoring._send_blobs(conn, None, 7, small)  # type: ignore[arg-type]  # no shared blob: no descriptor to send
+    assert conn.sent == [("score", 7, [scoring._INLINE] * 4, small)]
+    large = b"x" * scoring.INLINE_BLOB_BYTES
+    conn = Conn()
+    scoring._send_blobs(conn, None, 8, [small[0], large, small[1]])  # type: ignore[arg-type]
+    assert conn.sent == [
+        ("score", 8, [scoring._INLINE, scoring._AFTER, scoring._INLINE], [small[0], small[1]]),
+        ("bytes", len(large)),
+    ]
+
+
 def test_a_large_exchange_is_handed_over_while_the_scorer_is_busy() -> None:
     """At thousands of ranks an exchange is megabytes, more than a pipe holds: handing it over must not wait for the
     child to read it (here the child is held inside the previous exchange)."""
