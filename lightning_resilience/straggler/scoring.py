@@ -318,9 +318,8 @@ def _score_received(conn: Any, sock: socket.socket, message: tuple[Any, ...], sc
             maps.append(mmap.mmap(fd, 0, prot=mmap.PROT_READ))
         finally:
             os.close(fd)
-    shared, inline = iter(maps), iter(message[3])
-    blobs = [next(shared) if kind == _SHARED else next(inline) if kind == _INLINE else conn.recv_bytes()
-             for kind in kinds]  # fmt: skip
+    sources = {_SHARED: iter(maps), _INLINE: iter(message[3])}  # in order, as sent; the others follow on the pipe
+    blobs = [next(sources[kind]) if kind in sources else conn.recv_bytes() for kind in kinds]
     try:
         return score(message[1], blobs)
     finally:
