@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import statistics
+import struct
 import sys
 import time
 from array import array
@@ -61,31 +62,45 @@ def _child(ranks: int, steps: int, step_ms: float) -> dict[str, Any]:
     bodies = [payload(r) for r in range(1, ranks)]
     blobs = [frame([(r, bodies[r - 1]) for r in range(1 + i, ranks, 4)]) for i in range(4)]
 
-    # what the children send, in a file of memory: a receive is the kernel's copy from it (os.preadv, as recv_into,
-    # with the interpreter released) into the buffer the tree's receive uses, then what that receive does with it
+    # what the children send, in a file of memory, each blob after its size as on a link: a receive is the kernel's
+    # copy from it (os.preadv, as recv_into, with the interpreter released) into the buffer the tree's receive uses,
+    # then what that receive does with it
     source = os.memfd_create("children")
-    offsets = [0]
+    offsets = [0]  # where each child's size header starts; its blob follows it
     for blob in blobs:
-        offsets.append(offsets[-1] + os.pwrite(source, blob, offsets[-1]))
+        end = offsets[-1] + os.pwrite(source, struct.pack("<q", len(blob)), offsets[-1])
+        offsets.append(end + os.pwrite(source, blob, end))
     shared = getattr(links, "SharedBuffer", None)  # an earlier tree receives into a bytearray and copies it
+    # which payloads land in shared memory: links.lands_shared, or the rule it names (64 KiB or more, since d929264)
+    lands_shared = getattr(links, "lands_shared", lambda n: shared is not None and n >= 1 << 16)
+
+    def read(at: int, n: int) -> bytes:
+        """links._recv_exact: a zeroed buffer, filled, copied."""
+        buf = bytearray(n)
+        os.preadv(source, [buf], at)
+        return bytes(buf)
+
+    def size(child: int) -> int:
+        """The size ahead of a child's blob, read as links read it."""
+        return int(struct.unpack("<q", read(offsets[child], 8))[0])
 
     class RootGroup:
         name, timeout, rank, world_size, distributed = "step", timedelta(seconds=120), 0, ranks, True
 
         def exchange(self, payload: Any, *, send_to: Any, recv_from: Any, **_: Any) -> list[Any]:
-            out = []
-            for i in range(len(recv_from)):  # links._recv_exact of an earlier tree: a zeroed buffer, filled, copied
-                buf = bytearray(offsets[i + 1] - offsets[i])
-                os.preadv(source, [buf], offsets[i])
-                out.append(bytes(buf))
-            return out
+            # an earlier tree's receive of a child's blob: its size, then the blob into bytes
+            return [read(offsets[i] + 8, size(i)) for i in range(len(recv_from))]
 
         def receive(self, recv_from: Any, **_: Any) -> list[Any]:
-            out = []
-            for i in range(len(recv_from)):  # links.TcpLinks.receive: shared memory, filled by the kernel
-                buf = shared(offsets[i + 1] - offsets[i])
+            out: list[Any] = []
+            for i in range(len(recv_from)):  # links.TcpLinks.receive: the size, then the blob where it lands
+                n = size(i)
+                if not lands_shared(n):
+                    out.append(read(offsets[i] + 8, n))
+                    continue
+                buf = shared(n)  # shared memory, filled by the kernel
                 with memoryview(buf) as view:
-                    os.preadv(source, [view], offsets[i])
+                    os.preadv(source, [view], offsets[i] + 8)
                 out.append(buf)
             return out
 

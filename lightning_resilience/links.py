@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, cast
 
-__all__ = ["HOST_ENV", "SHARED_MEMORY", "Blob", "SharedBuffer", "TcpLinks", "link_host"]
+__all__ = ["HOST_ENV", "SHARED_MEMORY", "Blob", "SharedBuffer", "TcpLinks", "lands_shared", "link_host"]
 
 HOST_ENV = "LIGHTNING_RESILIENCE_LINK_HOST"
 """The address peers reach this rank's links at (default: this host's address on the route to ``MASTER_ADDR``)."""
@@ -86,6 +86,12 @@ class SharedBuffer(mmap.mmap):
 Blob = bytes | mmap.mmap
 """A received payload: bytes, or a large one in mapped memory (a :class:`SharedBuffer` where it was received, its
 mapping in the process it was handed to)."""
+
+
+def lands_shared(size: int) -> bool:
+    """Whether a payload of ``size`` bytes that :meth:`TcpLinks.receive` takes lands in a :class:`SharedBuffer` (64 KiB
+    or more, where the platform has them); a smaller one lands in bytes: one receive, no mapping to make."""
+    return SHARED_MEMORY and size >= _COPY_LIMIT
 
 
 def link_host() -> str:
@@ -220,7 +226,7 @@ class TcpLinks:
     def _recv_payload(self, peer: int, end: float, *, shared: bool = False) -> Blob | None:
         """One payload after its size (negative: None); ``shared``: a large one into a :class:`SharedBuffer`."""
         (n,) = _SIZE.unpack(self.recv(peer, _SIZE.size, end))
-        if n < 0 or not (shared and SHARED_MEMORY and n >= _COPY_LIMIT):
+        if n < 0 or not (shared and lands_shared(n)):
             return None if n < 0 else self.recv(peer, n, end)
         buf = SharedBuffer(n)
         with memoryview(buf) as view:

@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_resilience.collective import CollectiveError, SideGroup
-from lightning_resilience.links import HOST_ENV, SharedBuffer, TcpLinks, link_host
+from lightning_resilience.links import HOST_ENV, SHARED_MEMORY, SharedBuffer, TcpLinks, lands_shared, link_host
 from tests._ranks import run_ranks
 
 
@@ -69,6 +69,22 @@ def test_a_large_payload_is_received_into_shared_memory_another_process_can_map(
     assert low.receive([1], _end()) == [None]
     none_sender.join(10)
     for links in (low, high1, high2):
+        links.close()
+
+
+def test_lands_shared_says_where_receive_puts_a_payload_of_each_size() -> None:
+    """The rule a benchmark's stand-in for the links follows is the links' own: a payload of 64 KiB or more lands in
+    shared memory, one byte less in bytes."""
+    store = dist.HashStore()
+    low, high = (TcpLinks(store, "g/rule", r, host="127.0.0.1") for r in range(2))
+    for size in (1 << 16) - 1, 1 << 16:
+        sender = threading.Thread(target=high.exchange, args=(b"x" * size, [0], [], _end()))
+        sender.start()
+        (got,) = low.receive([1], _end())
+        sender.join(10)
+        assert isinstance(got, SharedBuffer) is lands_shared(size) and len(got) == size
+        assert lands_shared(size) is (SHARED_MEMORY and size == 1 << 16)
+    for links in (low, high):
         links.close()
 
 
