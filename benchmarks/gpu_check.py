@@ -5,19 +5,22 @@ Run from the repository root on the GPU machine (``make gpu-check``)::
     python -m benchmarks.gpu_check                       # over 7 minutes on one H200: allow 12
     python -m benchmarks.gpu_check --cpu-smoke --out /tmp/g.json   # the same flow on the CPU, tiny model (a test)
 
-The overlap and the CUDA tests take under a minute; the step-time slowdown most of the time (a 6.5 GB state: each
-disk save and, with torch 2.11, each DCP save into a new stager's buffers take seconds; one such run had not finished
-in 400 s). In order, each part bounded and recorded even when another fails (the JSON is rewritten after each part):
+The overlap, the CUDA tests and the SDC part take a minute or two; the step-time slowdown most of the time (a 6.5 GB
+state: each disk save and, with torch 2.11, each DCP save into a new stager's buffers take seconds; one such run had
+not finished in 400 s). In order, the short parts first, each bounded and recorded even when another fails (the JSON
+is rewritten after each part):
 
-1. **step-time slowdown** of per-step snapshots with a ~1.08B-parameter GPT in bf16 (``benchmarks.checkpoint``'s
-   rotation: none, ours with the default preset's tiers, DCP at its best at the same cadence), targets: ours <= 1%
-   of the step, DCP's slowdown >= 3x ours.
-2. **pinned-memory overlap**: forward+backward alone, the full state's device-to-host copy into pinned memory on a
+1. **pinned-memory overlap**: forward+backward alone, the full state's device-to-host copy into pinned memory on a
    side stream alone, and both together; overlap = 1 - (together - alone) / copy.
-3. **sync-debug tests**: ``pytest`` on the CUDA tests of the step path (``tests/perf/test_sync_debug_cuda.py``: the
+2. **sync-debug tests**: ``pytest`` on the CUDA tests of the step path (``tests/perf/test_sync_debug_cuda.py``: the
    default preset's engines under ``torch.cuda.set_sync_debug_mode("error")`` and a Lightning run with every
    synchronisation attributed; the snapshot and SDC CUDA tests).
-4. **NCCL DDP drills** (2 ranks, ``resilience=default`` and ``full``, the host-sync count) when 2 GPUs are present;
+3. **SDC on the device**: the default SDC preset's step-time overhead with the ~1.08B-parameter GPT in bf16, against
+   a plain loop and the floor of its checks, in a process of its own (``benchmarks/_sdc/device.py``), target <= 2%.
+4. **step-time slowdown** of per-step snapshots with the ~1.08B-parameter GPT in bf16 (``benchmarks.checkpoint``'s
+   rotation: none, ours with the default preset's tiers, DCP at its best at the same cadence), targets: ours <= 1%
+   of the step, DCP's slowdown >= 3x ours.
+5. **NCCL DDP drills** (2 ranks, ``resilience=default`` and ``full``, the host-sync count) when 2 GPUs are present;
    recorded as skipped otherwise.
 """
 
@@ -49,6 +52,7 @@ from benchmarks._common import (
     target,
     write_json,
 )
+from benchmarks._sdc.device import describe
 
 __all__ = ["DEFAULT_OUT", "REQUIRES_CUDA", "TITLE", "main", "readme_summary", "render_markdown"]
 
@@ -206,6 +210,17 @@ def overlap(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def sdc(args: argparse.Namespace) -> dict[str, Any]:
+    """The default SDC preset's step-time overhead on the device, against a plain loop and the floor of its checks."""
+    from benchmarks._sdc import device
+
+    out = Path(args.out).with_suffix(".sdc.json")
+    if args.cpu_smoke:
+        return device.run("tiny", out, smoke=True, batch_size=1, windows=2, timeout_s=args.part_timeout)
+    return device.run("1b", out, smoke=False, batch_size=args.sdc_batch_size, windows=args.sdc_windows,
+                      timeout_s=args.part_timeout)  # fmt: skip
+
+
 def nccl_drills(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -236,6 +251,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cpu-smoke", action="store_true", help="run the flow on the CPU with a tiny model (a test)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences of 2048 tokens per step (1B model)")
     p.add_argument("--rounds", type=int, default=2, help="turns of 10 steps per contender")
+    p.add_argument("--sdc-batch-size", type=int, default=2, help="sequences of 2048 tokens a step (the SDC part)")
+    p.add_argument("--sdc-windows", type=int, default=20, help="windows of 10 steps an arm (the SDC part)")
     p.add_argument("--with-process", action="store_true", help="also DCP's process executor (slower to run)")
     p.add_argument("--part-timeout", type=float, default=300.0, help="bound on each subprocess part (s)")
     p.add_argument("--skip", action="append", default=[], help="leave out a part (sync_tests, slowdown, ...)")
@@ -265,10 +282,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             cuda=torch.version.cuda,
         )
     parts: dict[str, Any] = {}
+    # the short parts first: a run stopped at its limit keeps them (the slowdown takes minutes at 1B)
     plan: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-        ("slowdown", lambda: slowdown(args)),
         ("overlap", lambda: overlap(args)),
         ("sync_tests", lambda: sync_tests(args.part_timeout, Path(args.out).with_suffix(".pytest.txt"))),
+        ("sdc", lambda: sdc(args)),
+        ("slowdown", lambda: slowdown(args)),
         ("nccl_drills", lambda: nccl_drills(args)),
     ]
     date = now_iso()
@@ -313,6 +332,10 @@ def _targets(parts: dict[str, Any]) -> list[dict[str, Any]]:
     ov = parts.get("overlap") or {}
     if ov.get("ok"):
         out.append(target("device-to-host copy hidden behind forward+backward", ov["overlap"], ">=", 0.9, "fraction"))
+    if (parts.get("sdc") or {}).get("ok"):
+        o = parts["sdc"]
+        out.append(target("SDC default preset: step-time overhead on the device (mean)", o["slowdown_mean"], "<=",
+                          0.02, "fraction"))  # fmt: skip
     return out
 
 
@@ -365,6 +388,8 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"{fmt_ms(ov['together_s'])}: {fmt_pct(ov['overlap'])} of the copy hidden.",
             "",
         ]
+    if (parts.get("sdc") or {}).get("ok"):
+        out += [describe(parts["sdc"]), ""]
     status = []
     for name, p in parts.items():
         what = p.get("summary") or p.get("skipped") or ("ok" if p["ok"] else p.get("error", ""))
