@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import statistics
 import subprocess
@@ -41,7 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -54,18 +53,20 @@ from benchmarks._common import (
     command_line,
     cpu_counters,
     finish_load,
-    fmt_interval,
     fmt_pct,
     machine_info,
-    md_table,
     now_iso,
     print_flush,
     summarize,
     target,
     write_json,
 )
-from lightning_resilience.straggler import WAIT, StragglerDetector, StragglerFinding
+from benchmarks._straggler.render import f2, render_markdown
+from benchmarks._straggler.scoring import WARM_STEPS, nvrx_rule, onset_of, periods_of, score_slow
+from benchmarks._straggler.synthetic import synthetic
 from lightning_resilience.straggler.config import StragglerConfig
+
+__all__ = ["DEFAULT_OUT", "TITLE", "WARM_STEPS", "WORKLOADS", "launch_drills", "main", "render_markdown"]
 
 MODULE = "benchmarks.straggler_detection"
 DEFAULT_OUT = "benchmarks/results/straggler_detection.json"
@@ -91,10 +92,6 @@ WORKLOADS = {  # name -> arguments of benchmarks._straggler_ddp
     "device": ["--width", "256", "--depth", "4", "--batch", "64", "--device-ms", "60"],
     "cpu": ["--width", "1024", "--depth", "4", "--batch", "64"],
 }
-SYNTH_FACTORS = (1.1, 1.2, 1.5, 2.0)
-WARM_STEPS = 10  # steps of every trial left out of the step-period means (compilation, the first exchange)
-NVRX_THRESHOLD = 0.7  # NeMo's StragglerDetectionCallback default (relative performance score)
-NVRX_INTERVAL = 10  # steps between two NVRx reports (NVRx reports every report_time_interval seconds)
 
 pc = time.perf_counter
 
@@ -113,95 +110,6 @@ def launch_drills(trials: list[str], workload: str, args: argparse.Namespace, ou
         raise RuntimeError(f"straggler drill launch failed ({proc.returncode}): {proc.stderr[-3000:]}")
     ranks = [json.loads((out / f"rank{r}.json").read_text())["trials"] for r in range(args.world)]
     return [[ranks[r][i] for r in range(args.world)] for i in range(len(trials))]
-
-
-def _onset(results: list[dict[str, Any]]) -> int | None:
-    onsets = [r["onset"] for r in results if r.get("onset") is not None]
-    return min(onsets) if onsets else None
-
-
-def _blocks(o: dict[str, Any]) -> str:
-    return f"; block by block {fmt_interval(o['per_block'], 'blocks')}" if len(o.get("per_block") or []) > 1 else ""
-
-
-def _periods(trials: list[list[dict[str, Any]]]) -> list[float]:
-    """Every rank's step periods after the warm-up, over the given trials."""
-    return [p for r in trials for rank in r for p in rank["periods_s"][WARM_STEPS:]]
-
-
-def _score_slow(results: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """Latency, recall, precision of slow trials of one (factor, component)."""
-    latencies: list[int] = []
-    named = false = 0
-    examples: list[dict[str, Any]] = []
-    for res in results:
-        spec, onset, verdicts = res[0]["trial"], _onset(res), res[0]["verdicts"]
-        good = [
-            v
-            for v in verdicts
-            if onset is not None and v["scope"] == "rank" and v["rank"] == spec["rank"]
-            and v["section"] == spec["kind"] and v["step"] >= onset
-        ]  # fmt: skip
-        bad = [
-            v
-            for v in verdicts
-            if not (v["scope"] == "rank" and v["rank"] == spec["rank"] and v["section"] == spec["kind"]
-                    and onset is not None and v["step"] >= onset)
-        ]  # fmt: skip
-        false += len(bad)
-        examples += [{"trial": spec, "onset": onset, **v} for v in bad][:3]
-        if good:
-            named += 1
-            latencies.append(int(good[0]["step"]) - int(onset or 0) + 1)
-    ordered = sorted(latencies)
-    n = len(results)
-    return {
-        "trials": n,
-        "named": named,
-        "recall": named / n if n else None,
-        "precision": named / (named + false) if named + false else None,
-        "false_verdicts": false,
-        "false_examples": examples[:10],
-        "latency_steps": latencies,
-        "latency_median": statistics.median(latencies) if latencies else None,
-        "latency_p90": ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)] if ordered else None,
-        "latency_max": ordered[-1] if ordered else None,
-    }
-
-
-def _nvrx_rule(results: list[list[dict[str, Any]]], section: str) -> dict[str, Any]:
-    """NVRx's section scores on the same timings: every ``NVRX_INTERVAL`` steps, a rank's relative performance score
-    is the fastest rank's median time over the interval divided by its own; a rank below ``NVRX_THRESHOLD`` (NeMo's
-    default ``gpu_relative_perf_threshold``) is a straggler. ``section`` is what the rule times: ``step`` (the
-    training step, as NeMo's callback wraps it) or the slowed component itself."""
-    latencies: list[int] = []
-    false = 0
-    for res in results:
-        spec, onset = res[0]["trial"], _onset(res)
-        history = res[0]["history"]
-        found = None
-        for start in range(0, len(history) - NVRX_INTERVAL + 1, NVRX_INTERVAL):
-            window = history[start : start + NVRX_INTERVAL]
-            med = np.nanmedian(np.array([h[section] for _, h in window], dtype=np.float64), axis=0)
-            if not np.all(np.isfinite(med)) or np.any(med <= 0):
-                continue
-            score = med.min() / med
-            end_step = int(window[-1][0])
-            for rank in np.flatnonzero(score < NVRX_THRESHOLD).tolist():
-                if rank == spec["rank"] and onset is not None and end_step >= onset:
-                    found = found if found is not None else end_step - onset + 1
-                else:
-                    false += 1
-        if found is not None:
-            latencies.append(found)
-    n = len(results)
-    return {
-        "section": section,
-        "recall": len(latencies) / n if n else None,
-        "false_flags": false,
-        "latency_median": statistics.median(latencies) if latencies else None,
-        "latency_max": max(latencies) if latencies else None,
-    }
 
 
 def real_ddp(args: argparse.Namespace, workload: str) -> dict[str, Any]:
@@ -236,36 +144,36 @@ def real_ddp(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     for factor in REAL_FACTORS:
         for kind in KINDS:
             res = [r for (f, k, _), r in zip(slow, slow_results) if f == factor and k == kind]
-            groups[f"{kind}@{factor}"] = {"factor": factor, "kind": kind, **_score_slow(res)}
-            groups[f"{kind}@{factor}"]["nvrx_rule"] = {sec: _nvrx_rule(res, sec) for sec in ("step", kind)}
+            groups[f"{kind}@{factor}"] = {"factor": factor, "kind": kind, **score_slow(res)}
+            groups[f"{kind}@{factor}"]["nvrx_rule"] = {sec: nvrx_rule(res, sec) for sec in ("step", kind)}
     for kind in KINDS if args.fsdp_trials else ():
         res = [r for (_, k, _), r in zip(slow, slow_results) if k == f"{kind}/fsdp"]
-        groups[f"{kind}@1.5/fsdp"] = {"factor": 1.5, "kind": f"{kind} (FSDP2)", **_score_slow(res)}
+        groups[f"{kind}@1.5/fsdp"] = {"factor": 1.5, "kind": f"{kind} (FSDP2)", **score_slow(res)}
     job = [r for (_, k, _), r in zip(slow, slow_results) if k == "job"]
     job_latency = []
     job_false = 0
     for res in job:
-        onset, verdicts = _onset(res), res[0]["verdicts"]
+        onset, verdicts = onset_of(res), res[0]["verdicts"]
         good = [v for v in verdicts if v["scope"] == "job" and onset is not None and v["step"] >= onset]
         job_false += len([v for v in verdicts if v["scope"] != "job" or onset is None or v["step"] < onset])
         if good:
             job_latency.append(int(good[0]["step"]) - int(onset or 0) + 1)
-    pre_onset_steps = sum(_onset(r) or 0 for r in slow_results)
+    pre_onset_steps = sum(onset_of(r) or 0 for r in slow_results)
     pre_onset_false = sum(
-        1 for r in slow_results for v in r[0]["verdicts"] if _onset(r) is not None and v["step"] < (_onset(r) or 0)
+        1 for r in slow_results for v in r[0]["verdicts"] if onset_of(r) is not None and v["step"] < (onset_of(r) or 0)
     )
     arm = {kind: [r for r in ab_results if r[0]["trial"]["kind"] == kind] for kind in AB_ARMS}
     clean, path = arm["clean"], arm["path"]
     clean_steps = sum(r[0]["trial"]["steps"] for r in clean)
     clean_verdicts = [v for r in clean for v in r[0]["verdicts"]]
-    with_p, path_p, plain_p = (_periods(arm[kind]) for kind in AB_ARMS)
+    with_p, path_p, plain_p = (periods_of(arm[kind]) for kind in AB_ARMS)
     path_driver_s = [rank.get("driver_s_per_step", 0.0) for r in path for rank in r]
     hook_s = [rank["detector_s_per_step"] for r in clean for rank in r]
     exchange_s = [rank["exchange_s_per_step"] for r in clean for rank in r]
     driver_s = [rank.get("driver_s_per_step", 0.0) for r in clean for rank in r]
     # per block (the three arms side by side): the slowdowns, and how precisely the blocks pin them down
     blocks = [ab_results[i : i + len(AB_ARMS)] for i in range(0, len(ab_results), len(AB_ARMS))]
-    means = [{r[0]["trial"]["kind"]: statistics.fmean(p) for r in block if (p := _periods([r]))} for block in blocks]
+    means = [{r[0]["trial"]["kind"]: statistics.fmean(p) for r in block if (p := periods_of([r]))} for block in blocks]
 
     def per_block_of(kind: str, base: str) -> list[float]:
         return [m[kind] / m[base] - 1.0 for m in means if kind in m and base in m]
@@ -318,121 +226,6 @@ def real_ddp(args: argparse.Namespace, workload: str) -> dict[str, Any]:
             "training_thread_fraction": (statistics.fmean(hook_s) + statistics.fmean(driver_s)) / step_median,
             "exchange_latency_s_per_step_mean": statistics.fmean(exchange_s),
         },
-        "wall_s": pc() - t0,
-    }
-
-
-# ------------------------------------------------------------------------------------------------- synthetic
-@dataclass(frozen=True)
-class NoiseModel:
-    """Synthetic step-time model (fake seconds): compute, data wait, and the collective that equalises the step."""
-
-    compute_s: float = 1.0
-    data_s: float = 0.02
-    common_sigma: float = 0.05
-    """Lognormal sigma of the compute jitter every rank shares at a step (batch content)."""
-    rank_sigma: float = 0.03
-    """Lognormal sigma of each rank's own compute jitter."""
-    data_sigma: float = 0.5
-    """Lognormal sigma of each rank's data wait."""
-    rank_spike_p: float = 0.005
-    job_spike_p: float = 0.01
-    spike_low: float = 1.5
-    spike_high: float = 3.0
-    comm_s: float = 0.05
-    """Time of the collective itself once the slowest rank has arrived."""
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def synthetic_trial(
-    rng: np.random.Generator,
-    cfg: StragglerConfig,
-    noise: NoiseModel,
-    world: int,
-    steps: int,
-    slow: tuple[int, str, float, int] | None,
-) -> list[StragglerFinding]:
-    """One simulated synchronous job through real detectors; ``slow`` = (rank, kind, factor, onset)."""
-    clocks = [_Clock() for _ in range(world)]
-    detectors = [
-        StragglerDetector(cfg, rank=r, world_size=world, gather=lambda p: [p], clock=clocks[r], hostname=f"n{r // 8}")
-        for r in range(world)
-    ]
-    compute = noise.compute_s * np.exp(rng.normal(0.0, noise.common_sigma, steps))[:, None]
-    compute = compute * np.exp(rng.normal(0.0, noise.rank_sigma, (steps, world)))
-    spike = rng.random((steps, world)) < noise.rank_spike_p
-    compute[spike] *= rng.uniform(noise.spike_low, noise.spike_high, int(spike.sum()))
-    job_spike = rng.random(steps) < noise.job_spike_p
-    compute[job_spike] *= rng.uniform(noise.spike_low, noise.spike_high, int(job_spike.sum()))[:, None]
-    data = noise.data_s * np.exp(rng.normal(0.0, noise.data_sigma, (steps, world)))
-    if slow is not None:
-        rank, kind, factor, onset = slow
-        extra = (factor - 1.0) * (noise.compute_s + noise.data_s)
-        (compute if kind == "compute" else data)[onset:, rank] += extra
-    arrival = (compute + data).max(axis=1)
-    for step in range(steps):
-        payloads = []
-        for r in range(world):
-            det, clock = detectors[r], clocks[r]
-            clock.now += float(data[step, r])
-            det.start_step()
-            clock.now += float(compute[step, r])
-            with det.section(WAIT):
-                clock.now += float(arrival[step] - data[step, r] - compute[step, r]) + noise.comm_s
-            det.timer.end_step()
-            payloads.append(det.prepare(step))
-        if payloads[0] is not None:
-            detectors[0].consume(step, payloads)
-        for det in detectors:
-            det.timer.mark_idle()
-    return detectors[0].verdicts
-
-
-def synthetic(args: argparse.Namespace) -> dict[str, Any]:
-    rng = np.random.default_rng(args.seed)
-    cfg, noise = StragglerConfig(), NoiseModel()
-    first_onset = cfg.warmup_steps + cfg.window // 2 + 16
-    groups: dict[str, Any] = {}
-    t0 = pc()
-    for factor in SYNTH_FACTORS:
-        for kind in KINDS:
-            latencies: list[int] = []
-            false = 0
-            for _ in range(args.synth_trials):
-                rank, onset = int(rng.integers(args.synth_world)), int(rng.integers(first_onset, args.synth_steps - 60))
-                verdicts = synthetic_trial(
-                    rng, cfg, noise, args.synth_world, args.synth_steps, (rank, kind, factor, onset)
-                )
-                good = [v for v in verdicts if v.rank == rank and v.section == kind and v.step >= onset]
-                false += len([v for v in verdicts if v.rank != rank or v.step < onset])
-                if good:
-                    latencies.append(good[0].step - onset + 1)
-            n = args.synth_trials
-            groups[f"{kind}@{factor}"] = {
-                "factor": factor,
-                "kind": kind,
-                "trials": n,
-                "recall": len(latencies) / n,
-                "precision": len(latencies) / (len(latencies) + false) if latencies or false else None,
-                "latency_median": statistics.median(latencies) if latencies else None,
-                "latency_max": max(latencies) if latencies else None,
-            }
-    clean_verdicts = 0
-    for _ in range(args.synth_clean_trials):
-        clean_verdicts += len(synthetic_trial(rng, cfg, noise, args.synth_world, args.synth_clean_steps, None))
-    clean_steps = args.synth_clean_trials * args.synth_clean_steps
-    return {
-        "world": args.synth_world,
-        "noise": asdict(noise),
-        "groups": groups,
-        "clean": {"steps": clean_steps, "false_verdicts": clean_verdicts},
         "wall_s": pc() - t0,
     }
 
@@ -490,7 +283,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     logging.getLogger("lightning_resilience.straggler").setLevel(logging.CRITICAL)  # verdict logs by the thousand
     real = {w: real_ddp(args, w) for w in args.workload}
     print_flush("[straggler] synthetic cross-check ...")
-    synth = synthetic(args)
+    synth = synthetic(args, KINDS)
     head = real["device"] if "device" in real else next(iter(real.values()))
     targets = []
     for factor in REAL_FACTORS:
@@ -503,7 +296,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                     "<=",
                     TARGET_LATENCY[factor],
                     "steps",
-                    f"recall {g['recall']:.2f}, precision {_f2(g['precision'])}, median {g['latency_median']}",
+                    f"recall {g['recall']:.2f}, precision {f2(g['precision'])}, median {g['latency_median']}",
                 )
             )
     c = head["clean"]
@@ -556,105 +349,6 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "synthetic": synth,
         "targets": targets,
     }
-
-
-def _f2(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
-
-
-def _val(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def render_markdown(r: dict[str, Any], *, heading: str = "##") -> str:
-    """Markdown tables of one result (also printed at the end of a run)."""
-    m, cfg = r["machine"], r["config"]
-    out = [f"{heading} {r['title']}", ""]
-    out.append(
-        f"*Command:* `{r['command']}` · *Date:* {r['date']} · *Run time:* {r['total_wall_s'] / 60:.1f} min · "
-        f"{m['cpu_count']} cores ({m['cpu_model']}), torch {m['torch']}; load average at the end "
-        f"{_val((m.get('loadavg_at_end') or [None])[0])}."
-    )
-    out += [
-        "",
-        f'**Real ranks.** `torchrun` with {cfg["world"]} CPU ranks (gloo), Lightning `strategy="ddp"`, a plain '
-        "`DataLoader(shuffle=True)`, the default `StragglerDetection()`, real clocks. One random rank becomes "
-        "slower from a random onset, in its forward (compute) or its data loader (data), by a stall of "
-        "(factor - 1) x the measured step period. Workload `device`: the forward also waits a fixed 60 ms, as a "
-        "host waits for an accelerator; `cpu`: all real CPU compute. Latency = slow steps seen up to the verdict, "
-        f"inclusive. *NVRx rule*: NVRx's relative section score (fastest rank's median / this rank's, every "
-        f"{NVRX_INTERVAL} steps, flagged below {NVRX_THRESHOLD}, NeMo's default) on the same timings, of the whole "
-        "training step (what NeMo's callback wraps; CUPTI kernel scores need a GPU) and of the slowed component.",
-        "",
-    ]
-    for name, w in r["real"].items():
-        rows = []
-        for g in w["groups"].values():
-            nv = g.get("nvrx_rule") or {}
-            step_rule, own_rule = nv.get("step") or {}, nv.get(g["kind"]) or {}
-            rows.append(
-                [name, g["kind"], f"{g['factor']}x", g["trials"], _f2(g["recall"]), _f2(g["precision"]),
-                 g["latency_median"], g["latency_p90"], g["latency_max"], _f2(step_rule.get("recall")),
-                 f"{_f2(own_rule.get('recall'))} ({own_rule.get('latency_max')}; {own_rule.get('false_flags')} false)"
-                 if own_rule else ""]
-            )  # fmt: skip
-        j = w["job"]
-        rows.append([name, "job-wide", "1.5x", j["trials"], _f2(j["named"] / j["trials"] if j["trials"] else None),
-                     "", "", "", j["latency_max"], "", ""])  # fmt: skip
-        header = ["workload", "slow", "factor", "trials", "recall", "precision", "latency median", "p90", "max"]
-        header += ["NVRx rule on the step: recall", "NVRx rule on the component: recall (max latency; false flags)"]
-        out.append(md_table(header, rows))
-        c, o = w["clean"], w["overhead"]
-        out += [
-            "",
-            f"`{name}`: **{c['false_verdicts']}** false verdict(s) in {c['steps']} clean steps "
-            f"({c['noise_level']} noise-level confirmation(s), never acted on) and "
-            f"{c['pre_onset_false_verdicts']} in the {c['pre_onset_steps']} steps before the onsets. Overhead: mean "
-            f"step period {o['step_period_with_detector']['mean_s'] * 1e3:.1f} ms with the detector vs "
-            f"{o['step_period_plain']['mean_s'] * 1e3:.1f} ms without (interleaved) = "
-            f"**{fmt_pct(o['mean_fraction'])}** (p99 {fmt_pct(o['p99_fraction'])}){_blocks(o)}; on the training "
-            f"thread: the callback's hooks {o['hooks_s_per_step_mean'] * 1e3:.2f} ms a step"
-            + (
-                f" and the step driver (the round's issue, the detector's step end, the agreement taken) "
-                f"{o['driver_s_per_step_mean'] * 1e3:.2f} ms, together {fmt_pct(o['training_thread_fraction'])} of "
-                f"the median step; an exchange's latency (issue to taken, on the agreement thread) "
-                f"{o['exchange_latency_s_per_step_mean'] * 1e3:.2f} ms a step."
-                if "driver_s_per_step_mean" in o
-                else f" = {fmt_pct(o['hooks_fraction'])} of the median step."
-            ),
-        ]
-        if o.get("own_mean_fraction") is not None:
-            own = o["own_per_block"]
-            out.append(
-                f"Apart: the suite's step path alone (`ResiliencePolicy()`: the step driver and its one agreement a "
-                f"step, which every preset has) {o['step_period_path']['mean_s'] * 1e3:.1f} ms = "
-                f"**{fmt_pct(o['path_mean_fraction'])}** over none (its driver "
-                f"{o['path_driver_s_per_step_mean'] * 1e3:.2f} ms a step on the training thread); the detector's own "
-                f"share, with it against the step path alone: **{fmt_pct(o['own_mean_fraction'])}** (p99 "
-                f"{fmt_pct(o['own_p99_fraction'])})"
-                + (f"; block by block {fmt_interval(own, 'blocks')}." if len(own) > 1 else ".")
-            )
-        out.append("")
-    s = r["synthetic"]
-    rows = [
-        [g["kind"], f"{g['factor']}x", g["trials"], _f2(g["recall"]), _f2(g["precision"]), g["latency_median"],
-         g["latency_max"]]
-        for g in s["groups"].values()
-    ]  # fmt: skip
-    out += [
-        f"**Synthetic** (cross-check at scale, not a measurement): {s['world']} simulated ranks through the real "
-        "detector with fake clocks; every step every rank waits in a modelled collective until the slowest arrives "
-        f"(whole-step times equal, as under DDP). {s['clean']['false_verdicts']} false verdict(s) in "
-        f"{s['clean']['steps']} clean steps.",
-        "",
-        md_table(["slow", "factor", "trials", "recall", "precision", "latency median", "max"], rows),
-    ]
-    trows = [
-        [t["name"], _val(t["value"]), f"{t['op']} {t['threshold']} {t['unit']}", t["verdict"], t["note"]]
-        for t in r["targets"]
-    ]
-    out += ["", md_table(["target (real ranks)", "measured", "goal", "verdict", "how"], trows), ""]
-    return "\n".join(out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
