@@ -34,7 +34,6 @@ from typing import Any
 import torch
 
 from benchmarks._common import (
-    GPTWorkload,
     add_load_argument,
     check_load_at_start,
     fmt_ms,
@@ -46,6 +45,7 @@ from benchmarks._common import (
     result_header,
     target,
 )
+from benchmarks._workload import GPTWorkload
 from lightning_resilience.checkpoint.cadence import BUDGET
 from lightning_resilience.checkpoint.config import CheckpointConfig
 from lightning_resilience.checkpoint.local import LocalTier

@@ -48,7 +48,6 @@ from benchmarks._checkpoint.contenders import BareCopy, DcpBest, NoCheckpoint, O
 from benchmarks._checkpoint.render import README_PENDING, TITLE, readme_summary, render_markdown
 from benchmarks._checkpoint.scenarios import LIGHTNING_KINDS, clean, run_lightning, run_restore, run_rotation, slowdown
 from benchmarks._common import (
-    GPTWorkload,
     add_load_argument,
     check_load_at_start,
     machine_info,
@@ -56,10 +55,10 @@ from benchmarks._common import (
     ratio,
     report,
     result_header,
-    state_tensors,
     summarize,
     target,
 )
+from benchmarks._workload import GPTWorkload, state_tensors
 
 __all__ = ["DEFAULT_OUT", "README_PENDING", "TITLE", "main", "readme_summary", "render_markdown", "run"]
 

@@ -39,7 +39,6 @@ import torch
 from benchmarks._checkpoint.contenders import Contender, NoCheckpoint, Ours
 from benchmarks._checkpoint.scenarios import run_rotation, slowdown, within_turns
 from benchmarks._common import (
-    GPTWorkload,
     add_load_argument,
     check_load_at_start,
     fmt_interval,
@@ -50,10 +49,10 @@ from benchmarks._common import (
     print_flush,
     report,
     result_header,
-    state_tensors,
     summarize,
     target,
 )
+from benchmarks._workload import GPTWorkload, state_tensors
 from lightning_resilience.checkpoint.cadence import BUDGET
 from lightning_resilience.checkpoint.config import CheckpointConfig
 

@@ -143,7 +143,7 @@ def overlap(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from benchmarks import checkpoint
-    from benchmarks._common import GPTWorkload
+    from benchmarks._workload import GPTWorkload
     from lightning_resilience.checkpoint.snapshot import SnapshotPool
     from lightning_resilience.checkpoint.tree import flatten_state
 

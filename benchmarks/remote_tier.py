@@ -40,7 +40,6 @@ from typing import Any
 import torch
 
 from benchmarks._common import (
-    GPTWorkload,
     command_line,
     evict_page_cache,
     fmt_ms,
@@ -52,6 +51,7 @@ from benchmarks._common import (
     write_json,
 )
 from benchmarks._remote_render import TITLE, print_table, readme_summary, render_markdown
+from benchmarks._workload import GPTWorkload
 from lightning_resilience.checkpoint.local import LocalTier
 from lightning_resilience.checkpoint.manager import CheckpointManager
 from lightning_resilience.checkpoint.memory import MemoryTier

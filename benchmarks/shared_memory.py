@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from benchmarks import _common as bench
+from benchmarks._workload import GPTWorkload
 
 MODULE = "benchmarks.shared_memory"
 TITLE = "Snapshots in shared memory: step-time cost against the bare-copy floor, restore against local disk"
@@ -71,7 +72,7 @@ class _Contender:
 class _Floor(_Contender):
     """A bare copy of every tensor of the state into buffers allocated once: the physical floor."""
 
-    def __init__(self, wl: bench.GPTWorkload) -> None:
+    def __init__(self, wl: GPTWorkload) -> None:
         super().__init__("floor")
         self.wl = wl
         self.buffers: list[torch.Tensor] | None = None
@@ -90,7 +91,7 @@ class _Engine(_Contender):
     """The checkpoint engine with the default preset's tiers (RAM every step, optionally disk every 10), the overlapped
     copy and the optimizer guard that ``TieredCheckpoint`` installs."""
 
-    def __init__(self, name: str, wl: bench.GPTWorkload, root: Path, shm: Path, *, shared: bool, disk: bool) -> None:
+    def __init__(self, name: str, wl: GPTWorkload, root: Path, shm: Path, *, shared: bool, disk: bool) -> None:
         from lightning_resilience.checkpoint import CheckpointManager, LocalTier, MemoryTier
 
         super().__init__(name)
@@ -121,9 +122,7 @@ class _Engine(_Contender):
         self.manager.close(finished=True)
 
 
-def _rotation(
-    wl: bench.GPTWorkload, contenders: list[_Contender], *, warmup: int, turn: int, rounds: int
-) -> dict[str, Any]:
+def _rotation(wl: GPTWorkload, contenders: list[_Contender], *, warmup: int, turn: int, rounds: int) -> dict[str, Any]:
     """Per contender, ``rounds`` turns of ``turn`` steps (after ``warmup`` untimed ones): each step's time from its
     start to the next step's start, and each turn's drain (the wait for its background work) apart."""
     record: dict[str, dict[str, list[float]]] = {c.name: {"steps": [], "drains": []} for c in contenders}
@@ -192,7 +191,7 @@ def _write_and_die(cfg: dict[str, Any], root: str, shm: str, steps: int) -> None
     cleaning up, as a killed one would."""
     from lightning_resilience.checkpoint import CheckpointManager, LocalTier, MemoryTier
 
-    wl = bench.GPTWorkload(cfg, batch_size=1)
+    wl = GPTWorkload(cfg, batch_size=1)
     memory = MemoryTier(every_n_steps=1, keep=2, shared_memory=True, shm_dir=shm, run_id="restore")
     manager = CheckpointManager([memory, LocalTier(f"{root}/disk", every_n_steps=steps, keep=1)])
     manager.setup()
@@ -273,7 +272,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     shm = Path(tempfile.mkdtemp(prefix="lr-shm-bench-", dir=args.shm_dir))
     machine = bench.machine_info()
     try:
-        wl = bench.GPTWorkload(cfg, batch_size=1)
+        wl = GPTWorkload(cfg, batch_size=1)
         state_bytes = sum(t.numel() * t.element_size() for t in _tensors(wl))
         bench.print_flush(f"[{MODULE}] {args.preset}: {state_bytes / 1e6:.0f} MB of state, {args.rounds} rounds")
         contenders: list[_Contender] = [_Contender("none"), _Floor(wl)]
@@ -318,7 +317,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def _tensors(wl: bench.GPTWorkload) -> list[torch.Tensor]:
+def _tensors(wl: GPTWorkload) -> list[torch.Tensor]:
     from lightning_resilience.checkpoint.tree import flatten_state
 
     return list(flatten_state(wl.state()).tensors.values())

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import GPTWorkload
+from benchmarks._workload import GPTWorkload
 
 __all__ = ["BareCopy", "Contender", "DcpBest", "NoCheckpoint", "Ours", "optimizer_owned", "ram_dir"]
 

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from benchmarks._checkpoint.contenders import DISK_EVERY, Contender, DcpBest, Ours
-from benchmarks._common import GPTWorkload, StepClock, evict_page_cache, print_flush, summarize, tail_key
+from benchmarks._common import evict_page_cache, print_flush, summarize, tail_key
+from benchmarks._workload import GPTWorkload, StepClock
 
 __all__ = ["LIGHTNING_KINDS", "run_lightning", "run_restore", "run_rotation", "slowdown"]
 

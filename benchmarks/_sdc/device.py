@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import GPTWorkload, StepClock, mean_interval, slowdowns
+from benchmarks._common import mean_interval, slowdowns
 from benchmarks._sdc.trials import preset_config
+from benchmarks._workload import GPTWorkload, StepClock
 
 __all__ = ["describe", "device_overhead", "run"]
 
