@@ -70,6 +70,12 @@ def state_at(step: int) -> Callable[[], dict[str, Any]]:
     return lambda: make_state(step)
 
 
+def named_tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A deterministic tensor of ``shape`` drawn from a seed its name gives: the same global tensor on every rank."""
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(shape, generator=gen)
+
+
 def data_file(shard: Path) -> Path:
     """The single DCP data file of a shard written with one file per rank."""
     (path,) = sorted(shard.glob("*.distcp"))
