@@ -115,6 +115,40 @@ def assert_tensors_equal(actual: dict[str, torch.Tensor], expected: dict[str, to
         assert torch.equal(got, want), name
 
 
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's bytes as stored (NaN payloads and -0.0 kept)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_bitwise(actual: Any, expected: Any, path: str = "state") -> None:
+    """Like assert_state_equal, but tensors must match byte for byte (NaN payloads, -0.0, ...).
+
+    A mapping may come back as a plain dict (the skeleton stores an OrderedDict state_dict as a dict).
+    """
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict), path
+    else:
+        assert type(actual) is type(expected), path
+    if isinstance(expected, torch.Tensor):
+        assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), path
+        assert tensor_bytes(actual) == tensor_bytes(expected), path
+    elif isinstance(expected, dict):
+        assert list(actual) == list(expected), path
+        for key in expected:
+            assert_bitwise(actual[key], expected[key], f"{path}[{key!r}]")
+    elif isinstance(expected, list | tuple):
+        assert len(actual) == len(expected), path
+        for i, (got, want) in enumerate(zip(actual, expected)):
+            assert_bitwise(got, want, f"{path}[{i}]")
+    else:
+        assert_state_equal(actual, expected, path)
+
+
+def assert_tensors_bitwise(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Flat tensor maps: same names (in any order: a full shard lists them sorted), bitwise equal values."""
+    assert_bitwise(dict(sorted(actual.items())), dict(sorted(expected.items())))
+
+
 def assert_state_equal(actual: Any, expected: Any, path: str = "state") -> None:
     """Deep equality that also checks container types, tensor dtypes and treats NaN as equal to NaN."""
     assert type(actual) is type(expected), f"{path}: {type(actual).__name__} != {type(expected).__name__}"

@@ -1,11 +1,10 @@
-"""Delta checkpoints: the XOR+zstd codec on its own, and DeltaLocalTier through the manager over real training."""
+"""Delta checkpoints: DeltaLocalTier on its own and through the manager over real training (``test_delta_codec.py``: the
+XOR+zstd codec on its own)."""
 
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +14,6 @@ import pytest
 import torch
 
 import lightning_resilience.checkpoint.format as format_module
-from lightning_resilience.checkpoint.delta import decode_delta, encode_delta
 from lightning_resilience.checkpoint.delta_tier import DELTA_BIN, DELTA_JSON, DELTA_OF, DeltaLocalTier
 from lightning_resilience.checkpoint.errors import CheckpointCorruptError
 from lightning_resilience.checkpoint.format import MANIFEST, read_manifest
@@ -24,206 +22,13 @@ from lightning_resilience.checkpoint.manager import CheckpointManager
 from lightning_resilience.checkpoint.tier import Tier, TierIdentity
 from lightning_resilience.checkpoint.tree import unflatten_state
 from tests.checkpoint.conftest import (
-    assert_state_equal,
+    assert_bitwise,
+    assert_tensors_bitwise,
     flip_byte,
     make_snapshot,
     make_state,
     rewrite_manifest,
 )
-
-_DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.complex64,
-    torch.int8,
-    torch.uint8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-]
-_DTYPES += [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "uint32", None)) if d is not None]
-
-
-def _bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _assert_bitwise(actual: Any, expected: Any, path: str = "state") -> None:
-    """Like assert_state_equal, but tensors must match byte for byte (NaN payloads, -0.0, ...).
-
-    A mapping may come back as a plain dict (the skeleton stores an OrderedDict state_dict as a dict).
-    """
-    if isinstance(expected, dict):
-        assert isinstance(actual, dict), path
-    else:
-        assert type(actual) is type(expected), path
-    if isinstance(expected, torch.Tensor):
-        assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), path
-        assert _bytes(actual) == _bytes(expected), path
-    elif isinstance(expected, dict):
-        assert list(actual) == list(expected), path
-        for key in expected:
-            _assert_bitwise(actual[key], expected[key], f"{path}[{key!r}]")
-    elif isinstance(expected, list | tuple):
-        assert len(actual) == len(expected), path
-        for i, (got, want) in enumerate(zip(actual, expected)):
-            _assert_bitwise(got, want, f"{path}[{i}]")
-    else:
-        assert_state_equal(actual, expected, path)
-
-
-def _assert_tensors_bitwise(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    """Flat tensor maps: same names (in any order: a full shard lists them sorted), bitwise equal values."""
-    _assert_bitwise(dict(sorted(actual.items())), dict(sorted(expected.items())))
-
-
-def _random(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """Arbitrary bit patterns of ``dtype`` (NaNs, infinities, subnormals and -0.0 included for floats)."""
-    gen = torch.Generator().manual_seed(seed)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
-    if dtype == torch.bool:
-        raw &= 1  # only 0 and 1 are valid bools
-    return raw.view(dtype).reshape(shape)
-
-
-def _near(tensor: torch.Tensor, seed: int) -> torch.Tensor:
-    """A slightly changed copy (a training step's worth), with the same spec."""
-    if tensor.dtype.is_floating_point and tensor.element_size() >= 2 and tensor.numel():
-        noise = torch.randn(tensor.shape, generator=torch.Generator().manual_seed(seed)) * 1e-3
-        return (tensor.float() + noise).to(tensor.dtype)
-    out = tensor.clone()
-    if out.numel():
-        out.reshape(-1)[0] = _random(tensor.dtype, (1,), seed)[0]
-    return out
-
-
-# ------------------------------------------------------------------------------------------------------ codec
-@pytest.mark.parametrize("dtype", _DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_round_trip_is_bitwise_for_every_dtype(dtype: torch.dtype) -> None:
-    """XOR mode (same spec), full mode (new name, changed shape), 0-dim, empty and non-contiguous all come back."""
-    base = {
-        "matrix": _random(dtype, (33, 7), 1),
-        "scalar": _random(dtype, (), 2),
-        "empty": _random(dtype, (0, 4), 3),
-        "reshaped": _random(dtype, (6,), 4),
-        "only_in_base": _random(dtype, (3,), 5),
-        "unchanged": _random(dtype, (9,), 11),
-    }
-    new = {
-        "matrix": _near(base["matrix"], 6),
-        "scalar": _random(dtype, (), 7),
-        "empty": _random(dtype, (0, 4), 8),
-        "reshaped": _random(dtype, (2, 3), 9),  # changed spec: stored whole
-        "strided": _random(dtype, (5, 8), 10).t(),  # absent from base, non-contiguous
-        "unchanged": base["unchanged"].clone(),  # an all-zero delta
-    }
-    blobs, meta = encode_delta(base, new)
-    modes = {name: entry["mode"] for name, entry in meta["tensors"].items()}
-    assert modes == {
-        "matrix": "xor",
-        "scalar": "xor",
-        "empty": "xor",
-        "reshaped": "full",
-        "strided": "full",
-        "unchanged": "xor",
-    }
-    json.dumps(meta)  # JSON-safe
-    decoded = decode_delta(base, blobs, meta)
-    assert list(decoded) == list(new)
-    _assert_bitwise(decoded, {n: t.contiguous() for n, t in new.items()})
-    assert all(t.is_contiguous() for t in decoded.values())
-
-
-def test_unchanged_tensor_compresses_to_almost_nothing() -> None:
-    """A frozen tensor's XOR delta is all zeros: a few dozen bytes whatever its size."""
-    weight = torch.randn(256, 256)
-    blobs, meta = encode_delta({"w": weight}, {"w": weight.clone()})
-    assert meta["tensors"]["w"]["size"] < 100 < weight.numel() * 4
-    assert torch.equal(decode_delta({"w": weight}, blobs, meta)["w"], weight)
-
-
-def test_decoded_tensors_do_not_alias_the_base() -> None:
-    """The caller owns what decode returns: changing it never changes the base, and vice versa."""
-    base = {"w": torch.randn(8)}
-    keep = base["w"].clone()
-    blobs, meta = encode_delta(base, {"w": base["w"] + 1})
-    out = decode_delta(base, blobs, meta)
-    out["w"].zero_()
-    assert torch.equal(base["w"], keep)
-
-
-def test_wrong_base_is_detected_at_decode() -> None:
-    """Decoding against another base (same specs, other values) raises, naming the tensor and the cause."""
-    base = {"w": torch.randn(16), "n": torch.arange(4)}
-    blobs, meta = encode_delta(base, {"w": base["w"] * 2, "n": base["n"] + 1})
-    other = {"w": base["w"] + 1, "n": base["n"]}
-    with pytest.raises(CheckpointCorruptError, match=r"'w'.*different base"):
-        decode_delta(other, blobs, meta)
-    with pytest.raises(CheckpointCorruptError, match=r"'w'.*base has absent"):
-        decode_delta({"n": base["n"]}, blobs, meta)
-
-
-@pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
-def test_damaged_blob_is_detected_at_decode(damage: str) -> None:
-    """A flipped byte, a truncated or a missing blob raises CheckpointCorruptError naming the tensor."""
-    base = {"w": torch.randn(4096)}
-    blobs, meta = encode_delta(base, {"w": base["w"] + 1e-3})
-    blob = bytearray(blobs["w"])
-    if damage == "flip":
-        blob[len(blob) // 2] ^= 0x01
-        blobs["w"] = bytes(blob)
-    elif damage == "truncate":
-        blobs["w"] = bytes(blob[: len(blob) // 2])
-    else:
-        del blobs["w"]
-    with pytest.raises(CheckpointCorruptError, match="'w'"):
-        decode_delta(base, blobs, meta)
-
-
-def test_damaged_metadata_is_detected_at_decode() -> None:
-    """Unknown format, inconsistent sizes and a tampered checksum are all corrupt, never a crash or a wrong value."""
-    base = {"w": torch.randn(10)}
-    blobs, meta = encode_delta(base, {"w": base["w"] + 1})
-    for edit, pattern in [
-        (lambda m: m.update(format="other"), "format"),
-        (lambda m: m["tensors"]["w"].update(nbytes=8), "inconsistent"),
-        (lambda m: m["tensors"]["w"].update(xxh3_64="0" * 16), "checksum"),
-        (lambda m: m["tensors"]["w"].pop("spec"), "unreadable"),
-    ]:
-        bad = copy.deepcopy(meta)
-        edit(bad)
-        with pytest.raises(CheckpointCorruptError, match=pattern):
-            decode_delta(base, blobs, bad)
-
-
-def test_codec_arguments_are_validated() -> None:
-    """Out-of-range level or lossy_bits raise ValueError naming the argument."""
-    with pytest.raises(ValueError, match="level"):
-        encode_delta({}, {}, level=0)
-    with pytest.raises(ValueError, match="lossy_bits"):
-        encode_delta({}, {}, lossy_bits=24)
-
-
-def test_lossy_mode_is_opt_in_and_bounded() -> None:
-    """lossy_bits=k: float32 XOR deltas within 2**(k-23) relative error; zeros, non-finite and other dtypes exact."""
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(10_000, generator=gen)
-    new = weight + torch.randn(10_000, generator=gen) * 1e-4
-    new[:4] = torch.tensor([math.inf, -math.inf, math.nan, 0.0])
-    base, newer = {"w": weight, "i": torch.arange(5)}, {"w": new, "i": torch.arange(5) + 3}
-    lossless_blobs, lossless = encode_delta(base, newer)
-    blobs, meta = encode_delta(base, newer, lossy_bits=12)
-    assert meta["tensors"]["w"]["size"] < lossless["tensors"]["w"]["size"]
-    out = decode_delta(base, blobs, meta)
-    assert torch.equal(out["i"], newer["i"])
-    assert _bytes(out["w"][:4]) == _bytes(new[:4])  # inf, -inf, nan, 0 untouched
-    rel = ((out["w"][4:] - new[4:]).abs() / new[4:].abs()).max().item()
-    assert 0 < rel < 2.0 ** (12 - 23)
-    assert _bytes(decode_delta(base, lossless_blobs, lossless)["w"]) == _bytes(new)  # default stays bitwise
 
 
 # ------------------------------------------------------------------------------------------------------- tier
@@ -262,7 +67,7 @@ def test_full_every_n_writes_and_deltas_against_the_last_full(tmp_path: Path) ->
     for step in range(1, 7):
         snap = tier.read(step)
         assert snap.step == step and snap.meta == {"epoch": step // 3}  # the reserved key is not handed back
-        _assert_bitwise(unflatten_state(snap.skeleton, snap.tensors), make_state(step))
+        assert_bitwise(unflatten_state(snap.skeleton, snap.tensors), make_state(step))
 
 
 def test_new_process_starts_with_a_full_write(tmp_path: Path) -> None:
@@ -298,7 +103,7 @@ def test_plain_local_tier_refuses_a_delta_shard_cleanly(tmp_path: Path) -> None:
     plain.bind(TierIdentity())
     with pytest.raises(CheckpointCorruptError):
         plain.read(2)
-    _assert_tensors_bitwise(plain.read(1).tensors, make_snapshot(1).tensors)
+    assert_tensors_bitwise(plain.read(1).tensors, make_snapshot(1).tensors)
 
 
 def test_reserved_meta_key_is_refused(tmp_path: Path) -> None:
@@ -346,7 +151,7 @@ def test_base_copy_does_not_alias_the_snapshot(tmp_path: Path) -> None:
             tier.write(snap)
     assert _kinds(tier) == {1: None, 2: 1, 3: 1, 4: None, 5: 4, 6: 4}
     for step in range(1, 7):
-        _assert_tensors_bitwise(tier.read(step).tensors, make_snapshot(step).tensors)
+        assert_tensors_bitwise(tier.read(step).tensors, make_snapshot(step).tensors)
 
 
 def test_base_not_cached_is_read_back(tmp_path: Path) -> None:
@@ -356,11 +161,11 @@ def test_base_not_cached_is_read_back(tmp_path: Path) -> None:
     for step in (1, 2, 3):
         tier.write(make_snapshot(step))
     assert _kinds(tier) == {1: None, 2: 1, 3: 1}
-    _assert_tensors_bitwise(tier.read(3).tensors, make_snapshot(3).tensors)
+    assert_tensors_bitwise(tier.read(3).tensors, make_snapshot(3).tensors)
     flip_byte(next((tmp_path / step_dirname(1) / "rank_00000").glob("*.distcp")))
     tier.write(make_snapshot(4))
     assert tier.base_of(4) is None
-    _assert_tensors_bitwise(tier.read(4).tensors, make_snapshot(4).tensors)
+    assert_tensors_bitwise(tier.read(4).tensors, make_snapshot(4).tensors)
 
 
 def test_delete_of_a_needed_base_is_deferred_until_its_deltas_are_gone(tmp_path: Path) -> None:
@@ -372,7 +177,7 @@ def test_delete_of_a_needed_base_is_deferred_until_its_deltas_are_gone(tmp_path:
     assert tier.list_steps() == [1, 2, 3] and tier.dependants(1) == [2, 3]
     tier.delete(2)
     assert tier.list_steps() == [1, 3]
-    _assert_tensors_bitwise(tier.read(3).tensors, make_snapshot(3).tensors)
+    assert_tensors_bitwise(tier.read(3).tensors, make_snapshot(3).tensors)
     tier.delete(3)
     assert tier.list_steps() == []
     assert list(tmp_path.iterdir()) == []
@@ -442,9 +247,9 @@ def test_training_run_restores_bitwise_and_resumes_identically(
     fresh = _manager(managers, tmp_path)
     restored = fresh.restore()
     assert restored is not None and (restored.step, restored.tier, restored.meta) == (10, "local", {"step": 10})
-    _assert_bitwise(restored.state, run.states[10])
+    assert_bitwise(restored.state, run.states[10])
     for step in range(1, 10):
-        _assert_bitwise(unflatten_state(*_snap_parts(_delta_tier(fresh), step)), run.states[step])
+        assert_bitwise(unflatten_state(*_snap_parts(_delta_tier(fresh), step)), run.states[step])
 
     resumed = _Run()
     resumed.model.load_state_dict(restored.state["model"])
@@ -453,7 +258,7 @@ def test_training_run_restores_bitwise_and_resumes_identically(
     for _ in range(3):
         run.step()
         resumed.step()
-    _assert_bitwise(resumed.state(), run.state())
+    assert_bitwise(resumed.state(), run.state())
 
 
 def _snap_parts(tier: DeltaLocalTier, step: int) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -470,7 +275,7 @@ def test_corrupt_delta_falls_back_to_the_newest_valid_step(tmp_path: Path, manag
     fresh = _manager(managers, tmp_path)
     restored = fresh.restore()
     assert restored is not None and restored.step == 6
-    _assert_bitwise(restored.state, run.states[6])
+    assert_bitwise(restored.state, run.states[6])
     assert len(fresh.stats.skipped_corrupt) == 1 and "checksum mismatch in delta.bin" in fresh.stats.skipped_corrupt[0]
 
     # a tool that re-signs the manifest hides the damage from the file checksums: the decode checksum catches it
@@ -479,7 +284,7 @@ def test_corrupt_delta_falls_back_to_the_newest_valid_step(tmp_path: Path, manag
     again = _manager(managers, tmp_path)
     restored = again.restore()
     assert restored is not None and restored.step == 5
-    _assert_bitwise(restored.state, run.states[5])
+    assert_bitwise(restored.state, run.states[5])
     assert any("step 6" in msg and "full step 5" in msg for msg in again.stats.skipped_corrupt)
 
 
@@ -494,7 +299,7 @@ def test_missing_base_skips_its_deltas_with_a_warning_naming_it(
     with caplog.at_level(logging.WARNING):
         restored = fresh.restore()
     assert restored is not None and restored.step == 4
-    _assert_bitwise(restored.state, run.states[4])
+    assert_bitwise(restored.state, run.states[4])
     for step in (7, 6):
         (warning,) = [r.getMessage() for r in caplog.records if f"checkpoint step {step} " in r.getMessage()]
         assert "its base, full step 5, is missing" in warning
@@ -514,7 +319,7 @@ def test_retention_keep_2_never_breaks_a_chain(tmp_path: Path, managers: list[Ch
         needed = {base for s, base in kinds.items() if s in newest and base is not None}
         assert set(kinds) == set(newest) | needed, (step, kinds)  # nothing more is kept
         for s in kinds:
-            _assert_bitwise(unflatten_state(*_snap_parts(tier, s)), run.states[s])
+            assert_bitwise(unflatten_state(*_snap_parts(tier, s)), run.states[s])
 
     run.train(manager, range(1, 15), after=check)
     assert _kinds(tier) == {13: None, 14: 13}
