@@ -214,11 +214,8 @@ def sdc(args: argparse.Namespace) -> dict[str, Any]:
     """The default SDC preset's step-time overhead on the device, against a plain loop and the floor of its checks."""
     from benchmarks._sdc import device
 
-    out = Path(args.out).with_suffix(".sdc.json")
-    if args.cpu_smoke:
-        return device.run("tiny", out, smoke=True, batch_size=1, windows=2, timeout_s=args.part_timeout)
-    return device.run("1b", out, smoke=False, batch_size=args.sdc_batch_size, windows=args.sdc_windows,
-                      timeout_s=args.part_timeout)  # fmt: skip
+    return device.run(Path(args.out).with_suffix(".sdc.json"), smoke=args.cpu_smoke, batch_size=args.sdc_batch_size,
+                      windows=args.sdc_windows, timeout_s=args.part_timeout)  # fmt: skip
 
 
 def nccl_drills(args: argparse.Namespace) -> dict[str, Any]:

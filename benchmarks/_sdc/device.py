@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import mean_interval, slowdowns
+from benchmarks._common import fmt_pct, mean_interval, slowdowns
+from benchmarks._sdc.rank import Decisions
 from benchmarks._sdc.trials import preset_config
 from benchmarks._workload import GPTWorkload, StepClock
 
@@ -37,23 +38,6 @@ __all__ = ["describe", "device_overhead", "run"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": None}
 _CUBLAS = ":4096:8"
-
-
-class _Actor:
-    """The step driver's actor on a clean run: every decision is recorded (none is expected) and nothing restored."""
-
-    def __init__(self) -> None:
-        self.decisions: list[str] = []
-
-    def rollback(self, decision: Any) -> Any:
-        self.decisions.append(f"{decision.action.value}:{decision.event.value}")
-        return None
-
-    def stop(self, decision: Any) -> None:
-        self.decisions.append(f"{decision.action.value}:{decision.event.value}")
-
-    def note(self, decision: Any) -> None:
-        self.decisions.append(f"{decision.action.value}:{decision.event.value}")
 
 
 def device_overhead(
@@ -97,7 +81,7 @@ def device_overhead(
     driver = StepDriver(PolicyConfig(), channels.agreement)
     driver.add_contributor(monitor)
     monitor.driven = True
-    actor = _Actor()
+    actor = Decisions()  # no state to restore: a decision on this clean run is recorded, and counted
     floor = arms["floor"]
     floor_params = list(floor.model.parameters())
     digest = BitwiseDigest()
@@ -203,7 +187,7 @@ def device_overhead(
         "reconcile_share": digest_check_s / (cfg.reconcile_every_n_steps * plain_mean)
         if cfg.reconcile_every_n_steps
         else None,
-        "decisions_on_a_clean_run": actor.decisions,
+        "decisions_on_a_clean_run": [f"{d.action.value}:{d.event.value}" for d in actor.decisions],
         "verdicts_on_a_clean_run": [e.to_json() for e in monitor.events if e.verdict is not Diagnosis.CLEAN],
         "wall_s": time.perf_counter() - started,
         "samples_s": times,
@@ -212,8 +196,6 @@ def device_overhead(
 
 def describe(o: dict[str, Any]) -> str:
     """The GPU check's line for this part."""
-    from benchmarks._common import fmt_pct
-
     lo_hi = o.get("per_pair_interval95")
     interval = f" (95% interval {fmt_pct(lo_hi[0])} to {fmt_pct(lo_hi[1])} over windows)" if lo_hi else ""
     digest = o["reconcile_digest_s"] * 1e3
@@ -233,11 +215,12 @@ def describe(o: dict[str, Any]) -> str:
     )
 
 
-def run(model: str, out: Path, *, smoke: bool, batch_size: int, windows: int, timeout_s: float) -> dict[str, Any]:
-    """:func:`device_overhead` in a process of its own (deterministic algorithms and cuBLAS's workspace set for it
-    alone, its device memory given back when it ends); ``smoke``: the tiny model on the CPU, short."""
-    cmd = [sys.executable, "-m", "benchmarks._sdc.device", "--model", model, "--out", str(out),
-           "--batch-size", str(batch_size), "--windows", str(windows), *(["--smoke"] if smoke else [])]  # fmt: skip
+def run(out: Path, *, smoke: bool, batch_size: int, windows: int, timeout_s: float) -> dict[str, Any]:
+    """:func:`device_overhead` of the 1B model in a process of its own (deterministic algorithms and cuBLAS's
+    workspace set for it alone, its device memory given back when it ends); ``smoke``: the tiny model on the CPU,
+    short (``batch_size`` and ``windows`` are the smoke run's own)."""
+    cmd = [sys.executable, "-m", "benchmarks._sdc.device", "--out", str(out), "--batch-size", str(batch_size),
+           "--windows", str(windows), *(["--smoke"] if smoke else [])]  # fmt: skip
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": _CUBLAS, "PYTHONPATH": str(root)}
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -248,20 +231,19 @@ def run(model: str, out: Path, *, smoke: bool, batch_size: int, windows: int, ti
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks._sdc.device", description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--model", default="1b", choices=["tiny", "small", "1b"])
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--windows", type=int, default=20)
-    p.add_argument("--smoke", action="store_true", help="on the CPU, short windows, the cadences at 5 steps")
+    p.add_argument("--batch-size", type=int, default=2, help="sequences of 2048 tokens a step")
+    p.add_argument("--windows", type=int, default=20, help="windows of 10 steps an arm")
+    p.add_argument("--smoke", action="store_true", help="the tiny model on the CPU: 1 sequence, 2 windows of 3 steps")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     from benchmarks import checkpoint
 
-    size = checkpoint.model_config(argparse.Namespace(preset=args.model, d_model=None, n_layer=None, seq_len=None))
-    if args.smoke:
-        result = device_overhead(size, device="cpu", dtype="fp32", batch_size=args.batch_size, windows=args.windows,
+    size = argparse.Namespace(preset="tiny" if args.smoke else "1b", d_model=None, n_layer=None, seq_len=None)
+    if args.smoke:  # the cadences at 5 steps, so that a replay lands in the run
+        result = device_overhead(checkpoint.model_config(size), device="cpu", dtype="fp32", batch_size=1, windows=2,
                                  window=3, warm=3, scale=5)  # fmt: skip
     else:
-        result = device_overhead(size, batch_size=args.batch_size, windows=args.windows)
+        result = device_overhead(checkpoint.model_config(size), batch_size=args.batch_size, windows=args.windows)
     args.out.write_text(json.dumps(result))
     return 0
 

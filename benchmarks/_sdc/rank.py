@@ -26,12 +26,12 @@ from benchmarks._sdc.trials import (
     window,
 )
 
-__all__ = ["run_rank"]
+__all__ = ["Decisions", "run_rank"]
 
 pc = time.perf_counter
 
 
-class _Decisions:
+class Decisions:
     """The step driver's actor in the benchmark: an in-process rollback restores the newest kept state at or before
     the bad step (``restore(bad) -> restored step``, the suite's cap of 3 per trial); a stop ends the trial (on
     every rank alike); a decision that only logs goes on. Every decision is recorded."""
@@ -122,11 +122,11 @@ def run_rank(
         state["goto"] = step_
         return int(step_)
 
-    def new_driver() -> tuple[StepDriver, _Decisions]:
+    def new_driver() -> tuple[StepDriver, Decisions]:
         driver = StepDriver(PolicyConfig(), agreement)
         driver.add_contributor(monitor)
         monitor.driven = True
-        return driver, _Decisions(restore)
+        return driver, Decisions(restore)
 
     state["driver"], state["actor"] = new_driver()
 
