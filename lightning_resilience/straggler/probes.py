@@ -4,11 +4,16 @@ Under data parallelism the gradient all-reduce makes every rank's step as long a
 wait. Telling the slow rank apart needs the wait taken out of the step, leaving each rank's own work
 (``compute = step - wait``). The probes mark these spans as the ``wait`` section of the step timer:
 
-* **backward**: at the start of backward a hook on the loss queues an autograd *final callback*; the engine runs it
-  once the whole graph has executed (all local gradients computed) and before the callbacks that DDP and FSDP queue
-  later in the pass, which block until their gradient collectives are done. The wait is from that callback to the
-  return of backward (:meth:`WaitProbe.backward_done`). No communication hook is used, so the probe composes with
-  any hook (ordered all-reduce, SDC fingerprints, compression).
+* **backward**: during backward the probe queues an autograd *final callback*; the engine runs it once the whole
+  graph has executed (all local gradients computed) and before the callbacks that DDP and FSDP queue later in the
+  pass, which block until their gradient collectives are done. The wait is from that callback to the return of
+  backward (:meth:`WaitProbe.backward_done`). Under DDP the callback is queued from a hook registered once, at
+  attach, on one trainable parameter (it runs as that gradient is accumulated: before DDP queues its own callback,
+  which waits for the last bucket); nothing is registered per step. A step in which that parameter gets no gradient
+  (an unused parameter) leaves its wait unmeasured, and from then on the probe queues the callback from a pre-hook
+  on each step's loss (what it does under FSDP, whose callback is queued at the start of backward, and with no
+  wrapper). No communication hook is used, so the probe composes with any hook (ordered all-reduce, SDC
+  fingerprints, compression).
 * **forward**: a wrapper that syncs before running its module (DDP's buffer broadcast, FSDP1's unshard) is timed
   from a forward pre-hook on the wrapper to one on the wrapped module; an FSDP2 module from a pre-hook placed before
   FSDP's own pre-forward (which waits for the parameter all-gather) to one placed after it.
@@ -88,6 +93,9 @@ class WaitProbe:
         self.parallelism = "none"
         self._handles: list[Any] = []
         self._queue_callback: Callable[[Callable[[], None]], None] | None = _final_callback_queue()
+        self._on_gradient: Any = None  # the DDP parameter hook's handle: armed per step, registered once
+        self._armed = False
+        """A backward is armed and its callback not yet queued (the parameter hook clears it when it queues)."""
 
     def attach(self, model: nn.Module) -> str:
         """Hook the waits of ``model``'s wrappers; returns what was found (:func:`find_parallelism`)."""
@@ -96,6 +104,7 @@ class WaitProbe:
         fsdp2, fsdp1 = _fsdp2_module_type(), _fsdp1_module_type()
         if isinstance(model, DistributedDataParallel):
             self._pair_around(model, model.module)
+            self._hook_a_gradient(model.module)
         for module in model.modules():
             if fsdp2 is not None and isinstance(module, fsdp2):
                 self._handles.append(module.register_forward_pre_hook(self._enter, prepend=True))
@@ -114,10 +123,20 @@ class WaitProbe:
         self._handles.append(wrapper.register_forward_pre_hook(self._enter, prepend=True))
         self._handles.append(inner.register_forward_pre_hook(self._leave))
 
+    def _hook_a_gradient(self, module: nn.Module) -> None:
+        """Queue the backward's callback from the accumulation of one trainable parameter's gradient (the last
+        registered: usually the output layer's, the first gradient of the pass)."""
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        if not trainable or self._queue_callback is None:
+            return
+        self._on_gradient = trainable[-1].register_post_accumulate_grad_hook(self._gradient_accumulated)
+        self._handles.append(self._on_gradient)
+
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._on_gradient, self._armed = None, False
 
     def _enter(self, *_: Any) -> None:
         if self.timer.in_step and not self.timer.is_open(WAIT):
@@ -136,7 +155,12 @@ class WaitProbe:
         """Call just before ``loss.backward()``: the wait opens once the local gradients are all computed."""
         if self._queue_callback is None or not self.timer.in_step:
             return
-        if not (isinstance(loss, torch.Tensor) and loss.requires_grad and loss.grad_fn is not None):
+        if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
+            return
+        if self._on_gradient is not None:  # DDP: the parameter hook queues the callback; nothing to register
+            self._armed = True
+            return
+        if loss.grad_fn is None:
             return
         # a pre-hook on the loss's node (the first the engine runs), no closure: on a CPU whose caches the step has
         # evicted, a tensor hook with a new closure costs about 80 us, this about 50
@@ -146,9 +170,26 @@ class WaitProbe:
         assert self._queue_callback is not None
         self._queue_callback(self._enter)  # after the graph, before DDP's/FSDP's final callbacks (queued later)
 
+    def _gradient_accumulated(self, parameter: torch.Tensor) -> None:
+        if self._armed:
+            self._armed = False
+            assert self._queue_callback is not None
+            self._queue_callback(self._enter)
+
     def backward_done(self) -> None:
         """Call when backward has returned (gradient collectives done): the wait closes."""
+        if self._armed:  # the hooked parameter got no gradient in this pass: its wait went unmeasured
+            self._armed = False
+            self._from_the_loss()
         self.timer.end(WAIT)
+
+    def _from_the_loss(self) -> None:
+        """From the next backward on, queue the callback from a pre-hook on each step's loss."""
+        assert self._on_gradient is not None
+        self._on_gradient.remove()
+        self._handles.remove(self._on_gradient)
+        self._on_gradient = None
+        log.info("straggler: a parameter the probe hooked got no gradient: the backward's wait is marked from the loss")
 
 
 def _on_output_grads(output: Any, fn: Callable[[], None]) -> None:

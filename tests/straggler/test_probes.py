@@ -67,6 +67,54 @@ def _ddp(rank: int, world: int, tmp: Path, where: str, hook: bool) -> dict[str, 
     return _train(ddp, rank, where)
 
 
+class _Headed(torch.nn.Module):
+    """The test model with a last layer (the parameter the DDP probe hooks) that step ``SKIP_HEAD_AT`` leaves out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _model()
+        self.head = torch.nn.Linear(64, 64)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = self.body(x)
+        return y if self.calls - 1 == SKIP_HEAD_AT else self.head(y)
+
+
+SKIP_HEAD_AT = 3
+
+
+def _ddp_unused_head(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    """Rank 1 stalls before every backward; one step's backward reaches no gradient of the hooked parameter."""
+    ddp = DistributedDataParallel(_Headed(), find_unused_parameters=True)
+    timer = StepTimer()
+    probe = WaitProbe(timer)
+    probe.attach(ddp)
+    x = torch.randn(16, 64)
+    for _ in range(STEPS):
+        timer.start_step()
+        loss = ddp(x).square().mean()
+        if rank == 1:
+            threading.Event().wait(STALL_S)
+        probe.arm_backward(loss)
+        loss.backward()
+        probe.backward_done()
+        timer.end_step()
+    probe.detach()
+    return {"waits": [r.get(WAIT, 0.0) for r in timer.collect()]}
+
+
+def test_ddp_probe_goes_on_from_the_loss_after_a_step_without_its_parameter(tmp_path: Path) -> None:
+    """The hooked parameter's gradient queues the wait's start; the step that has none leaves its wait unmeasured,
+    and every step after it is measured again, from a hook on the loss."""
+    waits = run_ranks(_ddp_unused_head, 2, tmp_path)[0]["waits"]
+    measured = [w >= 0.7 * STALL_S for w in waits]
+    assert measured[1:SKIP_HEAD_AT] == [True] * (SKIP_HEAD_AT - 1), waits  # from the parameter (step 0 builds)
+    assert not measured[SKIP_HEAD_AT], waits  # no gradient of the hooked parameter: the wait went unmeasured
+    assert all(measured[SKIP_HEAD_AT + 1 :]), waits  # from the loss
+
+
 def _fsdp2(rank: int, world: int, tmp: Path, where: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
