@@ -9,7 +9,8 @@ wait. Telling the slow rank apart needs the wait taken out of the step, leaving 
   pass, which block until their gradient collectives are done. The wait is from that callback to the return of
   backward (:meth:`WaitProbe.backward_done`). Under DDP the callback is queued from a hook registered once, at
   attach, on one trainable parameter (it runs as that gradient is accumulated: before DDP queues its own callback,
-  which waits for the last bucket); nothing is registered per step. A step in which that parameter gets no gradient
+  which waits for the last bucket); nothing is registered per step (unless DDP leaves parameters out of its
+  buckets or reduces them late: then from the loss, as under FSDP). A step in which that parameter gets no gradient
   (an unused parameter) leaves its wait unmeasured, and from then on the probe queues the callback from a pre-hook
   on each step's loss (what it does under FSDP, whose callback is queued at the start of backward, and with no
   wrapper). No communication hook is used, so the probe composes with any hook (ordered all-reduce, SDC
@@ -104,7 +105,8 @@ class WaitProbe:
         fsdp2, fsdp1 = _fsdp2_module_type(), _fsdp1_module_type()
         if isinstance(model, DistributedDataParallel):
             self._pair_around(model, model.module)
-            self._hook_a_gradient(model.module)
+            if not model.parameters_to_ignore:  # parameters DDP leaves out or reduces late: the loss's pre-hook
+                self._hook_a_gradient(model.module)
         for module in model.modules():
             if fsdp2 is not None and isinstance(module, fsdp2):
                 self._handles.append(module.register_forward_pre_hook(self._enter, prepend=True))

@@ -85,9 +85,11 @@ class _Headed(torch.nn.Module):
 SKIP_HEAD_AT = 3
 
 
-def _ddp_unused_head(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+def _ddp_unused_head(rank: int, world: int, tmp: Path, ignored: list[str]) -> dict[str, Any]:
     """Rank 1 stalls before every backward; one step's backward reaches no gradient of the hooked parameter."""
-    ddp = DistributedDataParallel(_Headed(), find_unused_parameters=True)
+    model = _Headed()
+    model._ddp_params_and_buffers_to_ignore = ignored  # DDP's own switch: these stay out of its buckets
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
     timer = StepTimer()
     probe = WaitProbe(timer)
     probe.attach(ddp)
@@ -108,11 +110,18 @@ def _ddp_unused_head(rank: int, world: int, tmp: Path) -> dict[str, Any]:
 def test_ddp_probe_goes_on_from_the_loss_after_a_step_without_its_parameter(tmp_path: Path) -> None:
     """The hooked parameter's gradient queues the wait's start; the step that has none leaves its wait unmeasured,
     and every step after it is measured again, from a hook on the loss."""
-    waits = run_ranks(_ddp_unused_head, 2, tmp_path)[0]["waits"]
+    waits = run_ranks(_ddp_unused_head, 2, tmp_path, [])[0]["waits"]
     measured = [w >= 0.7 * STALL_S for w in waits]
     assert measured[1:SKIP_HEAD_AT] == [True] * (SKIP_HEAD_AT - 1), waits  # from the parameter (step 0 builds)
     assert not measured[SKIP_HEAD_AT], waits  # no gradient of the hooked parameter: the wait went unmeasured
     assert all(measured[SKIP_HEAD_AT + 1 :]), waits  # from the loss
+
+
+def test_ddp_probe_marks_from_the_loss_when_ddp_leaves_parameters_out(tmp_path: Path) -> None:
+    """A parameter DDP leaves out of its buckets may get its gradient after DDP has queued its own callback: with
+    any such parameter the probe marks every backward's wait from the loss, including the step without the head."""
+    waits = run_ranks(_ddp_unused_head, 2, tmp_path, ["body.0.bias"])[0]["waits"]
+    assert all(w >= 0.7 * STALL_S for w in waits[1:]), waits
 
 
 def _fsdp2(rank: int, world: int, tmp: Path, where: str) -> dict[str, Any]:
