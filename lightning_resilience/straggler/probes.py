@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
 
 from lightning_resilience.straggler.timing import WAIT, StepTimer
 
@@ -94,7 +95,7 @@ class WaitProbe:
         self.parallelism = "none"
         self._handles: list[Any] = []
         self._queue_callback: Callable[[Callable[[], None]], None] | None = _final_callback_queue()
-        self._on_gradient: Any = None  # the DDP parameter hook's handle: armed per step, registered once
+        self._on_gradient: RemovableHandle | None = None  # the DDP parameter hook: armed per step, registered once
         self._armed = False
         """A backward is armed and its callback not yet queued (the parameter hook clears it when it queues)."""
 
