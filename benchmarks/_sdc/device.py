@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks._common import fmt_pct, mean_interval, slowdowns
-from benchmarks._sdc.rank import Decisions
+from benchmarks._sdc.rank import Decisions, Floor
 from benchmarks._sdc.trials import preset_config
 from benchmarks._workload import GPTWorkload, StepClock
 
@@ -55,10 +56,7 @@ def device_overhead(
     """The monitored arm against the plain one and the floor, ``windows`` windows of ``window`` steps each after
     ``warm`` steps of each arm; ``scale`` shortens the preset's cadences (a smoke run)."""
     from lightning_resilience.policy import PolicyConfig
-    from lightning_resilience.sdc.fingerprint import BitwiseDigest, digest_all
-    from lightning_resilience.sdc.guards import grad_norm, param_norm
     from lightning_resilience.sdc.monitor import SDCMonitor
-    from lightning_resilience.sdc.reconcile import ReplicaReconciler
     from lightning_resilience.sdc.verdict import Diagnosis
     from lightning_resilience.step.channels import Channels
     from lightning_resilience.step.driver import StepDriver
@@ -82,13 +80,8 @@ def device_overhead(
     driver.add_contributor(monitor)
     monitor.driven = True
     actor = Decisions()  # no state to restore: a decision on this clean run is recorded, and counted
-    floor = arms["floor"]
-    floor_params = list(floor.model.parameters())
-    digest = BitwiseDigest()
-    floor_state = ReplicaReconciler(list(floor.model.named_parameters()), [floor.opt], digest)
-
-    def due(i: int, every: int) -> bool:
-        return every > 0 and (i + 1) % every == 0
+    floor = arms["floor"]  # its checks at one rank: the gradient norm every step; the state's digest timed apart
+    floor_checks = Floor(cfg, floor.model, floor.opt, sched=floor.sched, reconcile=False)
 
     def checked_step(i: int, batch: torch.Tensor) -> None:
         driver.begin_step(i)
@@ -103,20 +96,6 @@ def device_overhead(
         monitor.after_optimizer_step()
         driver.end_step(i + 1, actor)
 
-    def floor_step(i: int, batch: torch.Tensor) -> None:
-        if due(i, cfg.replay_every_n_steps):  # a replay's recompute of this batch and its gradients' digest
-            floor.model.compute_loss(batch).backward()
-            digest_all(digest, [p.grad for p in floor_params if p.grad is not None])
-            floor.opt.zero_grad(set_to_none=True)
-        floor.model.compute_loss(batch).backward()
-        if cfg.guards:
-            grad_norm(floor_params)
-            if due(i, cfg.param_norm_every_n_steps):
-                param_norm(floor_params)
-        floor.opt.step()
-        floor.opt.zero_grad(set_to_none=True)
-        floor.sched.step()
-
     def plain_step(i: int, batch: torch.Tensor) -> None:
         del i
         plain = arms["plain"]
@@ -126,7 +105,11 @@ def device_overhead(
         plain.opt.zero_grad(set_to_none=True)
         plain.sched.step()
 
-    run = {"checked": checked_step, "plain": plain_step, "floor": floor_step}
+    run: dict[str, Callable[[int, torch.Tensor], Any]] = {
+        "checked": checked_step,
+        "plain": plain_step,
+        "floor": floor_checks.step,
+    }
     times: dict[str, list[float]] = {k: [] for k in run}
     clock = StepClock(device)
     started = time.perf_counter()
@@ -148,7 +131,7 @@ def device_overhead(
     digest_s = []  # what a reconciliation's digest of the local state costs, read to the host as the check reads it
     for _ in range(3):
         t0 = time.perf_counter()
-        floor_state.local()
+        floor_checks.state.local()
         digest_s.append(time.perf_counter() - t0)
     channels.close()
     n = len(times["checked"])

@@ -97,7 +97,12 @@ def run_rank(
     plain_model.train()
     plain_ddp = DistributedDataParallel(plain_model)
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
-    floor = _Floor(cfg, init, rank)
+    floor_model = TinyGPT(**kw)  # the floor's replica, stepping as the plain arm does
+    floor_model.load_state_dict(init)
+    floor_model.train()
+    floor_opt = torch.optim.AdamW(floor_model.parameters(), lr=1e-2)
+    stride = min(torch.distributed.get_world_size(), cfg.guard_grad_norm_stride)  # replicated gradients: turns
+    floor = Floor(cfg, floor_model, floor_opt, forward=DistributedDataParallel(floor_model), rank=rank, stride=stride)
     batches = make_batches(kw, rank, max(2 * w, BATCH_POOL), batch_size)
     monitor = SDCMonitor(list(model.named_parameters()), [], cfg)
     # the suite's groups: the monitor's reductions (a reconciliation's hash, a replay round's flags) ride the step
@@ -273,30 +278,40 @@ def run_rank(
             "cpu_s": cpu_s}  # fmt: skip
 
 
-class _Floor:
+class Floor:
     """The physical floor of a preset's checks: a replica of its own stepping as the plain arm does, plus the same
     local arithmetic at the preset's cadences (this rank's turn at the gradient norm, the parameter norm, the digest of
     the parameters and the optimizer state, and a replay's forward, backward and gradient digest, one a round), with
-    none of the monitor's bookkeeping, no agreement and no collective."""
+    none of the monitor's bookkeeping, no agreement and no collective.
 
-    def __init__(self, cfg: Any, init: dict[str, torch.Tensor], rank: int) -> None:
-        from torch.nn.parallel import DistributedDataParallel
+    Args:
+        model: the replica; ``forward`` is what its step's forward runs through (a DDP wrapper of it; default: it).
+        rank, stride: this rank takes the gradient norm on one step in ``stride`` (the ranks take turns).
+        sched: stepped after the optimizer, where the plain arm has one.
+        reconcile: the state's digest at the reconciliation cadence (False: timed apart by the caller, on
+            :attr:`state`).
+    """
 
+    def __init__(
+        self,
+        cfg: Any,
+        model: torch.nn.Module,
+        opt: torch.optim.Optimizer,
+        *,
+        forward: torch.nn.Module | None = None,
+        rank: int = 0,
+        stride: int = 1,
+        sched: Any = None,
+        reconcile: bool = True,
+    ) -> None:
         from lightning_resilience.sdc.fingerprint import BitwiseDigest
         from lightning_resilience.sdc.reconcile import ReplicaReconciler
-        from recipes._gpt import TinyGPT
 
-        self.cfg, self.rank = cfg, rank
-        self.model = TinyGPT(**model_kwargs())
-        self.model.load_state_dict(init)
-        self.model.train()
-        self.ddp = DistributedDataParallel(self.model)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
-        self.params = list(self.model.parameters())
+        self.cfg, self.rank, self.stride, self.reconcile = cfg, rank, stride, reconcile
+        self.model, self.forward, self.opt, self.sched = model, forward or model, opt, sched
+        self.params = list(model.parameters())
         self.digest = BitwiseDigest()
-        self.state = ReplicaReconciler(list(self.model.named_parameters()), [self.opt], self.digest)
-        world = torch.distributed.get_world_size()
-        self.stride = min(world, cfg.guard_grad_norm_stride)  # replicated gradients: the ranks take turns
+        self.state = ReplicaReconciler(list(model.named_parameters()), [opt], self.digest)
 
     def step(self, i: int, batch: torch.Tensor) -> float:
         from lightning_resilience.sdc.fingerprint import digest_all
@@ -310,15 +325,17 @@ class _Floor:
         t0 = pc()
         if due(cfg.replay_every_n_steps):  # the recompute of a replay: this rank's batch again, its gradients digested
             loss_of(self.model, batch).backward()
-            digest_all(self.digest, [p.grad for p in self.params])
+            digest_all(self.digest, [p.grad for p in self.params if p.grad is not None])
             self.opt.zero_grad(set_to_none=True)
-        loss_of(self.ddp, batch).backward()
+        loss_of(self.forward, batch).backward()
         if cfg.guards and due(cfg.param_norm_every_n_steps):
             param_norm(self.params)
         if cfg.guards and i % self.stride == self.rank % self.stride:
             grad_norm(self.params)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        if due(cfg.reconcile_every_n_steps):
+        if self.sched is not None:
+            self.sched.step()
+        if self.reconcile and due(cfg.reconcile_every_n_steps):
             self.state.local()
         return pc() - t0
